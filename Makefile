@@ -1,0 +1,107 @@
+# greqprof -- one entry point for building and testing.
+#   make test     C library + C tests (plain, ASan+UBSan, valgrind, fuzz
+#                 replay) + Python package in .venv + pytest
+#   make demo     run the example app with the middleware against real requests
+#   make bench    overhead benchmarks (see bench/README.md)
+CC      ?= gcc
+CLANG   ?= clang
+PYTHON  ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+B       := build/c
+
+VERSION_MAJOR := $(shell sed -n 's/^\#define GQP_VERSION_MAJOR \([0-9]*\)/\1/p' libgreqprof/include/greqprof.h)
+VERSION_MINOR := $(shell sed -n 's/^\#define GQP_VERSION_MINOR \([0-9]*\)/\1/p' libgreqprof/include/greqprof.h)
+VERSION_PATCH := $(shell sed -n 's/^\#define GQP_VERSION_PATCH \([0-9]*\)/\1/p' libgreqprof/include/greqprof.h)
+VERSION := $(VERSION_MAJOR).$(VERSION_MINOR).$(VERSION_PATCH)
+SONAME  := libgreqprof.so.$(VERSION_MAJOR)
+
+LIB_SRCS := $(wildcard libgreqprof/*.c)
+LIB_HDRS := libgreqprof/include/greqprof.h libgreqprof/internal.h
+CTEST_SRCS := $(filter-out libgreqprof/tests/fuzz_%.c,$(wildcard libgreqprof/tests/*.c))
+FUZZ_SRC := libgreqprof/tests/fuzz_api.c
+CFLAGS_COMMON := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Ilibgreqprof/include -Ilibgreqprof
+CFLAGS  ?= -O2 -g
+SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+
+.PHONY: all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest test demo bench clean
+
+all: lib
+
+lib: $(B)/libgreqprof.so.$(VERSION) $(B)/libgreqprof.a
+
+$(B)/shared/%.o: libgreqprof/%.c $(LIB_HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_COMMON) $(CFLAGS) -fPIC -fvisibility=hidden -c $< -o $@
+
+$(B)/libgreqprof.so.$(VERSION): $(patsubst libgreqprof/%.c,$(B)/shared/%.o,$(LIB_SRCS))
+	$(CC) -shared -Wl,-soname,$(SONAME) -o $@ $^
+	ln -sf libgreqprof.so.$(VERSION) $(B)/$(SONAME)
+	ln -sf $(SONAME) $(B)/libgreqprof.so
+
+$(B)/libgreqprof.a: $(patsubst libgreqprof/%.c,$(B)/shared/%.o,$(LIB_SRCS))
+	ar rcs $@ $^
+
+# The C tests link the library's sources directly so internal symbols and
+# sanitizer instrumentation cover everything.
+$(B)/run_tests: $(LIB_SRCS) $(CTEST_SRCS) $(LIB_HDRS) $(wildcard libgreqprof/tests/*.h)
+	@mkdir -p $(B)
+	$(CC) $(CFLAGS_COMMON) -O1 -g -o $@ $(LIB_SRCS) $(CTEST_SRCS) -lpthread
+
+$(B)/run_tests_asan: $(LIB_SRCS) $(CTEST_SRCS) $(LIB_HDRS) $(wildcard libgreqprof/tests/*.h)
+	@mkdir -p $(B)
+	$(CC) $(CFLAGS_COMMON) -O1 -g $(SAN) -o $@ $(LIB_SRCS) $(CTEST_SRCS) -lpthread
+
+$(B)/fuzz_replay: $(LIB_SRCS) $(FUZZ_SRC) $(LIB_HDRS)
+	@mkdir -p $(B)
+	$(CC) $(CFLAGS_COMMON) -O1 -g $(SAN) -DGQP_FUZZ_STANDALONE -o $@ $(LIB_SRCS) $(FUZZ_SRC)
+
+$(B)/fuzz_api: $(LIB_SRCS) $(FUZZ_SRC) $(LIB_HDRS)
+	@mkdir -p $(B)
+	$(CLANG) $(CFLAGS_COMMON) -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -o $@ $(LIB_SRCS) $(FUZZ_SRC)
+
+ctest: $(B)/run_tests lib
+	$(B)/run_tests
+
+ctest-asan: $(B)/run_tests_asan
+	$(B)/run_tests_asan
+
+valgrind: $(B)/run_tests
+	GQP_TEST_NOFORK=1 valgrind --quiet --error-exitcode=3 --leak-check=full --errors-for-leak-kinds=all --show-leak-kinds=all $(B)/run_tests
+
+# Short fuzz run: replay the corpus, then ~30 s of new inputs when clang's
+# libFuzzer is available (docs/fuzzing.md has the long run).
+fuzz: $(B)/fuzz_replay
+	$(B)/fuzz_replay libgreqprof/tests/corpus/*
+	@if command -v $(CLANG) >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory $(B)/fuzz_api && \
+	  mkdir -p $(B)/corpus && \
+	  $(B)/fuzz_api -max_total_time=$${FUZZ_SECONDS:-30} -max_len=4096 $(B)/corpus libgreqprof/tests/corpus; \
+	else echo "clang not found: libFuzzer run skipped (corpus replayed)"; fi
+
+fuzz-long: $(B)/fuzz_api
+	mkdir -p $(B)/corpus
+	$(B)/fuzz_api -max_total_time=$${FUZZ_SECONDS:-3600} -max_len=4096 -jobs=2 $(B)/corpus libgreqprof/tests/corpus
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q -U pip setuptools wheel
+
+venv: $(VPY)
+	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn
+	$(VPY) -m pip install -q --no-build-isolation -e .
+
+pytest: venv
+	$(VPY) -m pytest -q -p no:cacheprovider
+
+test: ctest ctest-asan valgrind fuzz pytest
+
+demo: venv
+	$(VPY) examples/demo.py
+
+bench: venv
+	$(VPY) bench/switch_overhead.py --markdown
+	$(VPY) bench/call_overhead.py --markdown
+
+clean:
+	rm -rf build greqprof/_core.c greqprof/_core*.so *.egg-info

@@ -1,0 +1,19 @@
+"""greqprof: a request profiler for gevent WSGI servers.
+
+Spans (one uninterrupted run of a greenlet between two switches), CPU and
+wall time, greenlet-aware function statistics and blocking alerts, accounted
+by the C library libgreqprof.
+"""
+from ._lowlevel import library_version
+from .errors import (ConfigError, GreqprofError, LibraryError,
+                     ProfilerStateError)
+from .profiler import Profiler
+from .stats import ChildStat, FuncStat, GreenletStat, Span
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Profiler", "Span", "FuncStat", "ChildStat", "GreenletStat",
+    "GreqprofError", "ConfigError", "ProfilerStateError", "LibraryError",
+    "library_version", "__version__",
+]

@@ -1,0 +1,112 @@
+"""Turns raw tuples read from profiles into the public records.
+
+Shared by the whole-process Profiler and per-request profiles."""
+from . import _registry
+from ._lowlevel import NS, func_info
+from .stats import ChildStat, FuncStat, GreenletStat, Span
+
+SPAN_FINISHED = 0x1
+SPAN_LONG = 0x4
+
+
+def greenlet_names(raw_profiles):
+    names = {}
+    for rp in raw_profiles:
+        for g in rp.greenlets():
+            if g[7] or g[8]:
+                names[g[0]] = (g[7], g[8])
+    return names
+
+
+def _name_of(gid, names):
+    n = names.get(gid) or _registry.names.get(gid)
+    if not n:
+        return ("greenlet-%d" % gid, "")
+    return (n[0] or "", n[1] or "")
+
+
+def make_span(rp, raw, names, stacks=None):
+    gid, start, end, cpu, flags, tag = raw
+    name, fn = _name_of(gid, names)
+    stack = None
+    if tag:
+        stack = (stacks.get(tag) if stacks is not None
+                 else _registry.stacks.get(tag))
+    return Span(greenlet_id=gid, greenlet_name=name, fn_name=fn,
+                start=rp.to_epoch(start), end=rp.to_epoch(end),
+                wall=(end - start) * NS,
+                cpu=None if cpu < 0 else cpu * NS,
+                finished=bool(flags & SPAN_FINISHED), stack=stack,
+                long=bool(flags & SPAN_LONG))
+
+
+def spans(raw_profiles, stacks=None):
+    names = greenlet_names(raw_profiles)
+    out = []
+    for rp in raw_profiles:
+        out.extend(make_span(rp, s, names, stacks) for s in rp.spans())
+    out.sort(key=lambda s: s.start)
+    return out
+
+
+def greenlet_stats(raw_profiles):
+    merged = {}
+    for rp in raw_profiles:
+        for (gid, wall, cpu, sw, _f, _l, fin, name, fn) in rp.greenlets():
+            m = merged.get(gid)
+            if m is None:
+                merged[gid] = [name, fn, cpu, wall, sw, fin]
+            else:
+                m[2] = (cpu if m[2] < 0 else m[2] + max(cpu, 0))
+                m[3] += wall
+                m[4] += sw
+                m[5] = m[5] or fin
+    out = []
+    for gid, (name, fn, cpu, wall, sw, fin) in merged.items():
+        if not name and not fn:
+            name, fn = _name_of(gid, {})
+        out.append(GreenletStat(id=gid, name=name, fn_name=fn,
+                                cpu=None if cpu < 0 else cpu * NS,
+                                wall=wall * NS, switches=sw, finished=fin))
+    out.sort(key=lambda g: g.id)
+    return out
+
+
+def func_stats(raw_profiles):
+    """Merges the function tables of several profiles by key."""
+    funcs = {}
+    for rp in raw_profiles:
+        for key, ncall, nact, ttot, tsub in rp.funcs():
+            f = funcs.setdefault(key, [0, 0, 0, 0])
+            f[0] += ncall
+            f[1] += nact
+            f[2] += ttot
+            f[3] += tsub
+    edges = {}
+    for rp in raw_profiles:
+        for caller, callee, ncall, nact, ttot, tsub in rp.edges():
+            e = edges.setdefault((caller, callee), [0, 0, 0, 0])
+            e[0] += ncall
+            e[1] += nact
+            e[2] += ttot
+            e[3] += tsub
+    infos = {key: func_info(key) for key in funcs}
+    children = {}
+    for (caller, callee), (ncall, nact, ttot, tsub) in edges.items():
+        info = infos.get(callee) or func_info(callee)
+        children.setdefault(caller, []).append(ChildStat(
+            name=info[0], qualname=info[1], module=info[2], lineno=info[4],
+            ncall=ncall, nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
+            filename=info[3]))
+    out = []
+    for key, (ncall, nact, ttot, tsub) in funcs.items():
+        if ncall == 0:
+            continue  # entered but not returned yet
+        name, qual, module, filename, lineno = infos[key]
+        kids = sorted(children.get(key, ()), key=lambda c: -c.ttot)
+        out.append(FuncStat(name=name, qualname=qual, module=module,
+                            filename=filename, lineno=lineno, ncall=ncall,
+                            nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
+                            children=tuple(kids)))
+    out.sort(key=lambda f: -f.ttot)
+    return out

@@ -1,0 +1,734 @@
+/* _hooks.c -- the CPython side of the binding, compiled into greqprof._core.
+ *
+ * Two hooks feed a thread's gqp_tracer without running Python code:
+ *   - a C-implemented callable given to greenlet.settrace (one per switch);
+ *   - a Py_tracefunc installed with PyEval_SetProfile (one per call/return).
+ * Both chain to whatever was installed before them.
+ *
+ * Python objects cross the cffi boundary as addresses (id(obj)): the caller
+ * keeps the object alive for the duration of the call.  Objects going the
+ * other way are put into the dicts of greqprof._registry, which the hooks
+ * fetch once at gqp_py_init().
+ *
+ * cffi releases the GIL around every call from Python, so each function
+ * here that touches Python objects takes it back with PyGILState_Ensure. */
+#include <Python.h>
+#include <frameobject.h>
+#include <string.h>
+
+#include "greqprof.h"
+
+typedef struct gqp_py_thread {
+    gqp_tracer *tracer;        /* borrowed: owned by the Python object */
+    unsigned long thread_id;
+    int active;
+    int calls;
+    int builtins;
+    int inherit;
+    int stacks;                /* capture a stack for long spans */
+    int profile_installed;
+    PyObject *trace_fn;        /* our callable given to greenlet.settrace */
+    PyObject *prev_trace;      /* what greenlet.settrace returned */
+    Py_tracefunc prev_prof;    /* the thread's previous profile function */
+    PyObject *prev_prof_obj;
+} gqp_py_thread;
+
+static _Thread_local gqp_py_thread *gqp__tls;
+
+/* Fetched from greqprof._registry by gqp_py_init. */
+static PyObject *reg_codes;     /* func key -> code object | C-func info */
+static PyObject *reg_stacks;    /* tag -> stack text */
+static PyObject *reg_long;      /* list of long-span records */
+static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
+static PyObject *greenlet_settrace;
+static getter dead_getter;
+static getter frame_getter;
+static getter parent_getter;
+static uint32_t next_tag = 1;
+
+#define GQP_PY_MAX_LONG 1024
+#define GQP_PY_MAX_STACKS 20000
+#define GQP_PY_MAX_NAMES 65536
+#define GQP_PY_STACK_DEPTH 40
+
+static getter find_getter(PyObject *type, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString(type, name);
+    getter g = NULL;
+    if (d && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
+        g = ((PyGetSetDescrObject *)d)->d_getset->get;
+    }
+    Py_XDECREF(d);
+    PyErr_Clear();
+    return g;
+}
+
+/* 0 on success; -1 when greenlet or the registry cannot be loaded. */
+static int gqp_py_init(void)
+{
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int rc = -1;
+    if (reg_codes) {
+        rc = 0;
+        goto out;
+    }
+    PyObject *reg = PyImport_ImportModule("greqprof._registry");
+    PyObject *gm = PyImport_ImportModule("greenlet");
+    if (!reg || !gm) {
+        Py_XDECREF(reg);
+        Py_XDECREF(gm);
+        PyErr_Clear();
+        goto out;
+    }
+    PyObject *gtype = PyObject_GetAttrString(gm, "greenlet");
+    greenlet_settrace = PyObject_GetAttrString(gm, "settrace");
+    reg_codes = PyObject_GetAttrString(reg, "codes");
+    reg_stacks = PyObject_GetAttrString(reg, "stacks");
+    reg_long = PyObject_GetAttrString(reg, "long_spans");
+    reg_names = PyObject_GetAttrString(reg, "names");
+    if (gtype) {
+        dead_getter = find_getter(gtype, "dead");
+        frame_getter = find_getter(gtype, "gr_frame");
+        parent_getter = find_getter(gtype, "parent");
+    }
+    Py_XDECREF(gtype);
+    Py_DECREF(reg);
+    Py_DECREF(gm);
+    if (greenlet_settrace && reg_codes && reg_stacks && reg_long && reg_names &&
+        dead_getter && frame_getter && PyDict_Check(reg_codes) &&
+        PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
+        PyDict_Check(reg_names)) {
+        rc = 0;
+    } else {
+        Py_CLEAR(reg_codes);
+        PyErr_Clear();
+    }
+out:
+    PyGILState_Release(gs);
+    return rc;
+}
+
+/* ---- helpers (GIL held) ---------------------------------------------- */
+
+static int is_dead(PyObject *g)
+{
+    PyObject *v = dead_getter(g, NULL);
+    if (!v) {
+        PyErr_Clear();
+        return 0;
+    }
+    int r = v == Py_True;
+    Py_DECREF(v);
+    return r;
+}
+
+/* "module.qualname" of a callable, or NULL. */
+static PyObject *qualified_name(PyObject *fn)
+{
+    PyObject *qn = PyObject_GetAttrString(fn, "__qualname__");
+    if (!qn) {
+        PyErr_Clear();
+        qn = PyObject_GetAttrString(fn, "__name__");
+    }
+    if (!qn) {
+        PyErr_Clear();
+        qn = PyObject_GetAttrString((PyObject *)Py_TYPE(fn), "__qualname__");
+    }
+    if (!qn || !PyUnicode_Check(qn)) {
+        Py_XDECREF(qn);
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *mod = PyObject_GetAttrString(fn, "__module__");
+    PyErr_Clear();
+    PyObject *res = qn;
+    if (mod && PyUnicode_Check(mod)) {
+        res = PyUnicode_FromFormat("%U.%U", mod, qn);
+        Py_DECREF(qn);
+    }
+    Py_XDECREF(mod);
+    if (!res) {
+        PyErr_Clear();
+    }
+    return res;
+}
+
+/* New references to (name, fn_name) strings for a greenlet. */
+static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
+{
+    *name = NULL;
+    *fn_name = NULL;
+    /* gevent.Greenlet has a `name`; other greenlets use their class name. */
+    PyObject *n = NULL;
+    if (PyObject_HasAttrString((PyObject *)Py_TYPE(g), "spawning_greenlet") ||
+        PyObject_HasAttrString((PyObject *)Py_TYPE(g), "_run")) {
+        n = PyObject_GetAttrString(g, "name");
+        if (n && !PyUnicode_Check(n)) {
+            Py_CLEAR(n);
+        }
+    }
+    PyErr_Clear();
+    if (!n) {
+        const char *tn = Py_TYPE(g)->tp_name;
+        const char *dot = strrchr(tn, '.');
+        n = PyUnicode_FromString(dot ? dot + 1 : tn);
+    }
+    *name = n;
+    PyObject *run = PyObject_GetAttrString(g, "_run");
+    if (!run || run == Py_None) {
+        Py_XDECREF(run);
+        PyErr_Clear();
+        run = PyObject_GetAttrString(g, "run");
+    }
+    PyErr_Clear();
+    if (run) {
+        *fn_name = qualified_name(run);
+        Py_DECREF(run);
+    }
+    if (!*fn_name && parent_getter) {
+        PyObject *parent = parent_getter(g, NULL);
+        PyErr_Clear();
+        if (parent == Py_None) {
+            *fn_name = PyUnicode_FromString("<main>");
+        }
+        Py_XDECREF(parent);
+    }
+    PyErr_Clear();
+}
+
+static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
+                            gqp_profile *p)
+{
+    PyObject *name, *fn;
+    greenlet_names(g, &name, &fn);
+    const char *cn = name ? PyUnicode_AsUTF8(name) : NULL;
+    PyErr_Clear();
+    const char *cf = fn ? PyUnicode_AsUTF8(fn) : NULL;
+    PyErr_Clear();
+    if (p) {
+        gqp_profile_name_greenlet(p, id, cn ? cn : "", cf ? cf : "");
+    }
+    /* Remember every greenlet's names for reports about other greenlets. */
+    if (PyDict_GET_SIZE(reg_names) >= GQP_PY_MAX_NAMES) {
+        PyDict_Clear(reg_names);
+    }
+    PyObject *key = PyLong_FromUnsignedLongLong(id);
+    PyObject *val = Py_BuildValue("(OO)", name ? name : Py_None,
+                                  fn ? fn : Py_None);
+    if (key && val) {
+        PyDict_SetItem(reg_names, key, val);
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(val);
+    Py_XDECREF(name);
+    Py_XDECREF(fn);
+    PyErr_Clear();
+    (void)st;
+}
+
+/* Traceback-style text of a frame chain (outermost first), or NULL. */
+static PyObject *format_stack(PyObject *frame_obj)
+{
+    if (!frame_obj || !PyFrame_Check(frame_obj)) {
+        return NULL;
+    }
+    PyObject *lines[GQP_PY_STACK_DEPTH];
+    int n = 0;
+    PyFrameObject *f = (PyFrameObject *)frame_obj;
+    Py_INCREF(f);
+    while (f && n < GQP_PY_STACK_DEPTH) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        int line = PyFrame_GetLineNumber(f);
+        lines[n] = PyUnicode_FromFormat("  File \"%.300U\", line %d, in %.200U\n",
+                                        co->co_filename, line, co->co_name);
+        Py_DECREF(co);
+        if (!lines[n]) {
+            PyErr_Clear();
+            break;
+        }
+        n++;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    PyObject *out = PyUnicode_FromString("");
+    for (int i = n - 1; i >= 0; i--) {
+        if (out) {
+            PyObject *cat = PyUnicode_Concat(out, lines[i]);
+            Py_DECREF(out);
+            out = cat;
+        }
+        Py_DECREF(lines[i]);
+    }
+    if (!out) {
+        PyErr_Clear();
+    }
+    return out;
+}
+
+static uint32_t store_stack(PyObject *text)
+{
+    if (!text) {
+        return 0;
+    }
+    if (PyDict_GET_SIZE(reg_stacks) >= GQP_PY_MAX_STACKS) {
+        /* Drop the oldest entry (dicts keep insertion order). */
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        if (PyDict_Next(reg_stacks, &pos, &k, &v)) {
+            Py_INCREF(k);
+            PyDict_DelItem(reg_stacks, k);
+            Py_DECREF(k);
+        }
+    }
+    uint32_t tag = next_tag++;
+    if (next_tag == 0) {
+        next_tag = 1;
+    }
+    PyObject *key = PyLong_FromUnsignedLong(tag);
+    if (!key || PyDict_SetItem(reg_stacks, key, text) < 0) {
+        tag = 0;
+    }
+    Py_XDECREF(key);
+    PyErr_Clear();
+    return tag;
+}
+
+/* A span closed long: keep where its greenlet was and queue a record. */
+static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
+{
+    gqp_span sp;
+    gqp_profile *p = NULL;
+    size_t idx = SIZE_MAX;
+    if (gqp_tracer_last_span(st->tracer, &sp, &p, &idx) != GQP_OK) {
+        return;
+    }
+    uint32_t tag = 0;
+    if (st->stacks && !dead) {
+        PyObject *fr = frame_getter(origin, NULL);
+        PyErr_Clear();
+        PyObject *text = format_stack(fr);
+        Py_XDECREF(fr);
+        tag = store_stack(text);
+        Py_XDECREF(text);
+        if (tag && p && idx != SIZE_MAX) {
+            gqp_profile_span_set_tag(p, idx, tag);
+        }
+    }
+    if (PyList_GET_SIZE(reg_long) >= GQP_PY_MAX_LONG) {
+        return;
+    }
+    PyObject *rec = Py_BuildValue(
+        "(kKLLLIIK)", st->thread_id, (unsigned long long)sp.greenlet_id,
+        (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
+        (unsigned)sp.flags, (unsigned)tag,
+        (unsigned long long)(uintptr_t)p);
+    if (rec) {
+        PyList_Append(reg_long, rec);
+        Py_DECREF(rec);
+    }
+    PyErr_Clear();
+}
+
+static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
+{
+    uint64_t key = (uint64_t)(uintptr_t)target;
+    if (st->inherit) {
+        /* gevent records who spawned a Greenlet (a weak reference). */
+        PyObject *ref = PyObject_GetAttrString(target, "spawning_greenlet");
+        PyErr_Clear();
+        if (ref && PyWeakref_Check(ref)) {
+            PyObject *parent = PyWeakref_GetObject(ref);
+            if (parent && parent != Py_None) {
+                gqp_tracer_inherit(st->tracer, key,
+                                   (uint64_t)(uintptr_t)parent);
+            }
+        }
+        Py_XDECREF(ref);
+    }
+    uint64_t id = 0;
+    gqp_profile *p = NULL;
+    if (gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
+        name_in_profile(st, target, id, p);
+    }
+}
+
+/* ---- the greenlet hook ----------------------------------------------- */
+
+static PyObject *gqp__trace(PyObject *self, PyObject *args)
+{
+    (void)self;
+    gqp_py_thread *st = gqp__tls;
+    PyObject *pair;
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2 ||
+        !PyTuple_Check(pair = PyTuple_GET_ITEM(args, 1)) ||
+        PyTuple_GET_SIZE(pair) != 2) {
+        Py_RETURN_NONE;
+    }
+    if (st && st->active) {
+        PyObject *origin = PyTuple_GET_ITEM(pair, 0);
+        PyObject *target = PyTuple_GET_ITEM(pair, 1);
+        int dead = is_dead(origin);
+        int ev = gqp_tracer_switch(st->tracer, (uint64_t)(uintptr_t)origin,
+                                   (uint64_t)(uintptr_t)target,
+                                   dead ? GQP_SWITCH_FROM_DEAD : 0);
+        if (ev > 0) {
+            if (ev & GQP_EV_LONG_SPAN) {
+                on_long_span(st, origin, dead);
+            }
+            if (ev & GQP_EV_NEW_GREENLET) {
+                on_new_greenlet(st, target);
+            }
+        }
+    }
+    if (st && st->prev_trace) {
+        return PyObject_Call(st->prev_trace, args, NULL);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef gqp__trace_def = {"greqprof_switch_hook",
+                                     (PyCFunction)gqp__trace, METH_VARARGS,
+                                     "greqprof's greenlet switch hook."};
+
+/* ---- the call hook ---------------------------------------------------- */
+
+static void register_code(uint64_t key, PyObject *obj)
+{
+    PyObject *k = PyLong_FromUnsignedLongLong(key);
+    if (k) {
+        PyObject *r = PyDict_SetDefault(reg_codes, k, obj);
+        (void)r;
+        Py_DECREF(k);
+    }
+    PyErr_Clear();
+}
+
+static void register_cfunc(uint64_t key, PyCFunctionObject *fn)
+{
+    PyObject *k = PyLong_FromUnsignedLongLong(key);
+    if (!k) {
+        PyErr_Clear();
+        return;
+    }
+    if (!PyDict_GetItem(reg_codes, k)) {
+        PyObject *self = fn->m_self;
+        const char *owner = NULL;
+        if (self && !PyModule_Check(self)) {
+            owner = PyType_Check(self) ? ((PyTypeObject *)self)->tp_name
+                                       : Py_TYPE(self)->tp_name;
+        }
+        PyObject *info = Py_BuildValue(
+            "(ssOz)", "builtin", fn->m_ml->ml_name,
+            fn->m_module ? fn->m_module : Py_None, owner);
+        if (info) {
+            PyDict_SetItem(reg_codes, k, info);
+            Py_DECREF(info);
+        }
+    }
+    Py_DECREF(k);
+    PyErr_Clear();
+}
+
+static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
+                        PyObject *arg)
+{
+    gqp_py_thread *st = gqp__tls;
+    if (st && st->active && st->calls) {
+        switch (what) {
+        case PyTrace_CALL: {
+            PyCodeObject *co = PyFrame_GetCode(frame);
+            uint64_t key = (uint64_t)(uintptr_t)co;
+            int ev = gqp_tracer_call(st->tracer, key);
+            if (ev > 0 && (ev & GQP_EV_NEW_FUNC)) {
+                register_code(key, (PyObject *)co);
+            }
+            Py_DECREF(co);
+            break;
+        }
+        case PyTrace_RETURN:
+            gqp_tracer_return(st->tracer);
+            break;
+        case PyTrace_C_CALL:
+            if (st->builtins && PyCFunction_Check(arg)) {
+                PyCFunctionObject *fn = (PyCFunctionObject *)arg;
+                uint64_t key = (uint64_t)(uintptr_t)fn->m_ml;
+                int ev = gqp_tracer_call(st->tracer, key);
+                if (ev > 0 && (ev & GQP_EV_NEW_FUNC)) {
+                    register_cfunc(key, fn);
+                }
+            }
+            break;
+        case PyTrace_C_RETURN:
+        case PyTrace_C_EXCEPTION:
+            if (st->builtins && PyCFunction_Check(arg)) {
+                gqp_tracer_return(st->tracer);
+            }
+            break;
+        default:
+            break;
+        }
+    }
+    if (st && st->prev_prof) {
+        return st->prev_prof(st->prev_prof_obj, frame, what, arg);
+    }
+    (void)obj;
+    return 0;
+}
+
+/* ---- installing ------------------------------------------------------- */
+
+#define GQP_PY_CALLS 0x1
+#define GQP_PY_BUILTINS 0x2
+#define GQP_PY_INHERIT 0x4
+#define GQP_PY_STACKS 0x8
+
+/* Installs the hooks in the calling thread, feeding tracer t.  The current
+ * greenlet starts a span now.  Returns a state for gqp_py_thread_stop, or
+ * NULL (*err: -1 init failed, -2 hooks already installed here, -3 no
+ * memory, -4 greenlet.settrace failed). */
+static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
+{
+    *err = 0;
+    if (gqp_py_init() != 0) {
+        *err = -1;
+        return NULL;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    gqp_py_thread *st = NULL;
+    if (gqp__tls && !gqp__tls->active) {
+        /* Left quiet by a stop from another thread: remove it now. */
+        gqp_py_thread *old = gqp__tls;
+        if (old->profile_installed) {
+            PyEval_SetProfile(old->prev_prof, old->prev_prof_obj);
+        }
+        PyObject *r = PyObject_CallFunctionObjArgs(
+            greenlet_settrace, old->prev_trace ? old->prev_trace : Py_None,
+            NULL);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        gqp__tls = NULL;
+        if (!old->tracer) {
+            /* Its owner already let go of it (gqp_py_thread_free). */
+            Py_XDECREF(old->trace_fn);
+            Py_XDECREF(old->prev_trace);
+            Py_XDECREF(old->prev_prof_obj);
+            free(old);
+        } else {
+            old->profile_installed = 0;
+        }
+    }
+    if (gqp__tls) {
+        *err = -2;
+        goto out;
+    }
+    st = calloc(1, sizeof *st);
+    if (!st) {
+        *err = -3;
+        goto out;
+    }
+    st->tracer = t;
+    st->thread_id = PyThread_get_thread_ident();
+    st->calls = !!(flags & GQP_PY_CALLS);
+    st->builtins = !!(flags & GQP_PY_BUILTINS);
+    st->inherit = !!(flags & GQP_PY_INHERIT);
+    st->stacks = !!(flags & GQP_PY_STACKS);
+    st->trace_fn = PyCFunction_New(&gqp__trace_def, NULL);
+    PyObject *prev = st->trace_fn
+        ? PyObject_CallFunctionObjArgs(greenlet_settrace, st->trace_fn, NULL)
+        : NULL;
+    if (!prev) {
+        PyErr_Clear();
+        Py_XDECREF(st->trace_fn);
+        free(st);
+        st = NULL;
+        *err = -4;
+        goto out;
+    }
+    if (prev == Py_None) {
+        Py_DECREF(prev);
+    } else {
+        st->prev_trace = prev;
+    }
+    gqp__tls = st;
+    st->active = 1;
+    /* Start the current greenlet's span (and give it its names). */
+    PyObject *gm = PyImport_ImportModule("greenlet");
+    PyObject *cur = gm ? PyObject_CallMethod(gm, "getcurrent", NULL) : NULL;
+    Py_XDECREF(gm);
+    if (cur) {
+        int ev = gqp_tracer_switch(t, 0, (uint64_t)(uintptr_t)cur, 0);
+        if (ev > 0 && (ev & GQP_EV_NEW_GREENLET)) {
+            uint64_t id = 0;
+            gqp_profile *p = NULL;
+            if (gqp_tracer_current(t, NULL, &id, &p) == GQP_OK) {
+                name_in_profile(st, cur, id, p);
+            }
+        }
+        Py_DECREF(cur);
+    }
+    PyErr_Clear();
+    if (st->calls) {
+        PyThreadState *ts = PyThreadState_Get();
+        st->prev_prof = ts->c_profilefunc;
+        st->prev_prof_obj = ts->c_profileobj;
+        Py_XINCREF(st->prev_prof_obj);
+        PyEval_SetProfile(gqp__profile, NULL);
+        st->profile_installed = 1;
+    }
+out:
+    PyGILState_Release(gs);
+    return st;
+}
+
+/* Stops feeding the tracer.  In the thread that started it, the hooks are
+ * removed (the previous ones restored); from any other thread the hooks
+ * only go quiet.  The tracer is flushed either way.  The state is freed
+ * by gqp_py_thread_free once its thread no longer uses it. */
+static int gqp_py_thread_stop(gqp_py_thread *st)
+{
+    if (!st) {
+        return GQP_EINVAL;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int rc = GQP_OK;
+    if (!st->active) {
+        rc = GQP_ESTATE;
+        goto out;
+    }
+    st->active = 0;
+    if (gqp__tls == st) {
+        if (st->profile_installed) {
+            PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
+            st->profile_installed = 0;
+        }
+        PyObject *r = PyObject_CallFunctionObjArgs(
+            greenlet_settrace, st->prev_trace ? st->prev_trace : Py_None, NULL);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        gqp__tls = NULL;
+    }
+    gqp_tracer_flush(st->tracer);
+out:
+    PyGILState_Release(gs);
+    return rc;
+}
+
+/* 1 when st is the calling thread's hook state. */
+static int gqp_py_thread_is_current(gqp_py_thread *st)
+{
+    return st && gqp__tls == st;
+}
+
+/* Frees a stopped state.  A state stopped from another thread stays
+ * referenced by its thread's hooks, so it is only detached here: the hooks
+ * see active == 0 and do nothing but chain. */
+static void gqp_py_thread_free(gqp_py_thread *st)
+{
+    if (!st) {
+        return;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    if (gqp__tls == st || st->active) {
+        /* Still installed in a thread: leave it, quiet. */
+        st->active = 0;
+        st->tracer = NULL;
+    } else {
+        Py_XDECREF(st->trace_fn);
+        Py_XDECREF(st->prev_trace);
+        Py_XDECREF(st->prev_prof_obj);
+        free(st);
+    }
+    PyGILState_Release(gs);
+}
+
+/* Attaches the greenlet at address `g` (a live object the caller holds) to
+ * profile p and names it there. */
+static int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p)
+{
+    if (!st || !g) {
+        return GQP_EINVAL;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int rc = GQP_ESTATE;
+    if (st->active && st->tracer) {
+        rc = gqp_tracer_attach(st->tracer, (uint64_t)g, p);
+        if (rc >= 0) {
+            uint64_t id = 0;
+            if (p && gqp_tracer_greenlet_id(st->tracer, (uint64_t)g, &id) ==
+                         GQP_OK) {
+                name_in_profile(st, (PyObject *)g, id, p);
+            }
+            rc = GQP_OK;
+        }
+    }
+    PyGILState_Release(gs);
+    return rc;
+}
+
+/* Stack of a thread's running frame (for watchdogs), stored under a tag;
+ * 0 when nothing could be captured. */
+static uint32_t gqp_py_capture_thread(unsigned long thread_id)
+{
+    PyGILState_STATE gs = PyGILState_Ensure();
+    uint32_t tag = 0;
+    PyObject *frames = _PyThread_CurrentFrames();
+    if (frames) {
+        PyObject *k = PyLong_FromUnsignedLong(thread_id);
+        PyObject *fr = k ? PyDict_GetItem(frames, k) : NULL;
+        if (fr) {
+            PyObject *text = format_stack(fr);
+            tag = store_stack(text);
+            Py_XDECREF(text);
+        }
+        Py_XDECREF(k);
+        Py_DECREF(frames);
+    }
+    PyErr_Clear();
+    PyGILState_Release(gs);
+    return tag;
+}
+
+/* Bulk readers: copy under the GIL so a hook in another thread cannot
+ * change the profile mid-read.  Return the number of entries written. */
+static size_t gqp_py_read_spans(gqp_profile *p, gqp_span *out, size_t n)
+{
+    PyGILState_STATE gs = PyGILState_Ensure();
+    size_t i = 0;
+    for (; i < n && gqp_profile_span(p, i, &out[i]) == GQP_OK; i++) {
+    }
+    PyGILState_Release(gs);
+    return i;
+}
+
+static size_t gqp_py_read_funcs(gqp_profile *p, gqp_func_stat *out, size_t n)
+{
+    PyGILState_STATE gs = PyGILState_Ensure();
+    size_t i = 0;
+    for (; i < n && gqp_profile_func(p, i, &out[i]) == GQP_OK; i++) {
+    }
+    PyGILState_Release(gs);
+    return i;
+}
+
+static size_t gqp_py_read_edges(gqp_profile *p, gqp_edge_stat *out, size_t n)
+{
+    PyGILState_STATE gs = PyGILState_Ensure();
+    size_t i = 0;
+    for (; i < n && gqp_profile_edge(p, i, &out[i]) == GQP_OK; i++) {
+    }
+    PyGILState_Release(gs);
+    return i;
+}
+
+static size_t gqp_py_read_greenlets(gqp_profile *p, gqp_greenlet_stat *out,
+                                    size_t n)
+{
+    PyGILState_STATE gs = PyGILState_Ensure();
+    size_t i = 0;
+    for (; i < n && gqp_profile_greenlet(p, i, &out[i]) == GQP_OK; i++) {
+    }
+    PyGILState_Release(gs);
+    return i;
+}

@@ -1,0 +1,259 @@
+"""Thin private layer over greqprof._core: one Python call per C call, every
+error code turned into an exception by ``_check``, handles freed by ``ffi.gc``.
+Nothing here runs per greenlet switch or per function call."""
+import sys
+
+from . import _registry
+from ._core import ffi, lib
+from .errors import LibraryError, ProfilerStateError
+
+NS = 1e-9
+
+
+def _check(rc, what):
+    if rc < 0:
+        name = ffi.string(lib.gqp_err_name(rc)).decode()
+        msg = ffi.string(lib.gqp_strerror(rc)).decode()
+        raise LibraryError(rc, name, "%s failed: %s (%s)" % (what, msg, name))
+    return rc
+
+
+def library_version():
+    """Version string of the libgreqprof compiled into greqprof._core."""
+    return ffi.string(lib.gqp_version_string()).decode()
+
+
+class RawProfile:
+    """Owns one gqp_profile."""
+
+    def __init__(self, max_spans=10000, keep="first", max_funcs=65536,
+                 max_greenlets=65536):
+        out = ffi.new("gqp_profile **")
+        _check(lib.gqp_profile_new(out), "gqp_profile_new")
+        self.ptr = ffi.gc(out[0], lib.gqp_profile_free)
+        self._set(lib.GQP_PROFILE_MAX_SPANS, max_spans, "max_spans")
+        self._set(lib.GQP_PROFILE_SPAN_POLICY,
+                  lib.GQP_KEEP_LAST if keep == "last" else lib.GQP_KEEP_FIRST,
+                  "keep")
+        self._set(lib.GQP_PROFILE_MAX_FUNCS, max_funcs, "max_funcs")
+        self._set(lib.GQP_PROFILE_MAX_EDGES, max_funcs * 4, "max_edges")
+        self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
+                  "max_greenlets")
+        self.epoch_origin = lib.gqp_profile_epoch_origin(self.ptr)
+        self.wall_origin = lib.gqp_profile_wall_origin(self.ptr)
+
+    def _set(self, param, value, name):
+        _check(lib.gqp_profile_set(self.ptr, param, int(value)),
+               "setting %s=%r" % (name, value))
+
+    def to_epoch(self, wall_ns):
+        """Seconds since the epoch for a wall-clock reading in ns."""
+        return (self.epoch_origin + (wall_ns - self.wall_origin)) * NS
+
+    def close(self):
+        if not lib.gqp_profile_is_closed(self.ptr):
+            _check(lib.gqp_profile_close(self.ptr), "gqp_profile_close")
+
+    @property
+    def closed(self):
+        return bool(lib.gqp_profile_is_closed(self.ptr))
+
+    def clear(self):
+        _check(lib.gqp_profile_clear(self.ptr), "gqp_profile_clear")
+
+    def spans(self):
+        n = lib.gqp_profile_span_count(self.ptr)
+        buf = ffi.new("gqp_span[]", max(n, 1))
+        got = lib.gqp_py_read_spans(self.ptr, buf, n)
+        return [(s.greenlet_id, s.start_ns, s.end_ns, s.cpu_ns, s.flags, s.tag)
+                for s in buf[0:got]]
+
+    @property
+    def spans_dropped(self):
+        return lib.gqp_profile_spans_dropped(self.ptr)
+
+    def longest(self, by="wall"):
+        out = ffi.new("gqp_span *")
+        fn = (lib.gqp_profile_longest_cpu_span if by == "cpu"
+              else lib.gqp_profile_longest_span)
+        if fn(self.ptr, out) < 0:
+            return None
+        return (out.greenlet_id, out.start_ns, out.end_ns, out.cpu_ns,
+                out.flags, out.tag)
+
+    def funcs(self):
+        n = lib.gqp_profile_func_count(self.ptr)
+        buf = ffi.new("gqp_func_stat[]", max(n, 1))
+        got = lib.gqp_py_read_funcs(self.ptr, buf, n)
+        return [(f.key, f.ncall, f.nactual, f.ttot_ns, f.tsub_ns)
+                for f in buf[0:got]]
+
+    def edges(self):
+        n = lib.gqp_profile_edge_count(self.ptr)
+        buf = ffi.new("gqp_edge_stat[]", max(n, 1))
+        got = lib.gqp_py_read_edges(self.ptr, buf, n)
+        return [(e.caller_key, e.callee_key, e.ncall, e.nactual, e.ttot_ns,
+                 e.tsub_ns) for e in buf[0:got]]
+
+    def greenlets(self):
+        n = lib.gqp_profile_greenlet_count(self.ptr)
+        buf = ffi.new("gqp_greenlet_stat[]", max(n, 1))
+        got = lib.gqp_py_read_greenlets(self.ptr, buf, n)
+        out = []
+        for g in buf[0:got]:
+            out.append((g.greenlet_id, g.wall_ns, g.cpu_ns, g.switches,
+                        g.first_ns, g.last_ns, bool(g.finished),
+                        ffi.string(g.name).decode("utf-8", "replace"),
+                        ffi.string(g.fn_name).decode("utf-8", "replace")))
+        return out
+
+    @property
+    def calls_dropped(self):
+        return lib.gqp_profile_calls_dropped(self.ptr)
+
+    @property
+    def greenlets_dropped(self):
+        return lib.gqp_profile_greenlets_dropped(self.ptr)
+
+
+CPU_MODES = {"off": 0, "estimate": 1, "exact": 2}
+
+
+class RawTracer:
+    """Owns one gqp_tracer; feeds it from the calling thread's hooks."""
+
+    def __init__(self, cpu_mode="estimate", call_clock="cpu",
+                 long_span_ns=0, cpu_window_ns=100000, max_depth=1024):
+        out = ffi.new("gqp_tracer **")
+        _check(lib.gqp_tracer_new(out), "gqp_tracer_new")
+        self.ptr = ffi.gc(out[0], lib.gqp_tracer_free)
+        mode = {"off": lib.GQP_CPU_OFF, "estimate": lib.GQP_CPU_ESTIMATE,
+                "exact": lib.GQP_CPU_EXACT}[cpu_mode]
+        self.set(lib.GQP_TRACER_CPU_MODE, mode, "cpu mode")
+        self.set(lib.GQP_TRACER_CALL_CLOCK,
+                 lib.GQP_CLOCK_WALL if call_clock == "wall"
+                 else lib.GQP_CLOCK_CPU, "call clock")
+        self.set(lib.GQP_TRACER_LONG_SPAN_NS, long_span_ns, "long span")
+        self.set(lib.GQP_TRACER_CPU_WINDOW_NS, cpu_window_ns, "cpu window")
+        self.set(lib.GQP_TRACER_MAX_DEPTH, max_depth, "max depth")
+        self.hooks = None
+        self.thread_ident = None
+
+    def set(self, param, value, what):
+        _check(lib.gqp_tracer_set(self.ptr, param, int(value)),
+               "setting tracer %s=%r" % (what, value))
+
+    def set_default(self, profile):
+        _check(lib.gqp_tracer_set_default(
+            self.ptr, profile.ptr if profile is not None else ffi.NULL),
+            "gqp_tracer_set_default")
+
+    def install(self, calls, builtins, inherit, stacks):
+        """Installs the C hooks in the calling thread."""
+        flags = ((lib.GQP_PY_CALLS if calls else 0)
+                 | (lib.GQP_PY_BUILTINS if builtins else 0)
+                 | (lib.GQP_PY_INHERIT if inherit else 0)
+                 | (lib.GQP_PY_STACKS if stacks else 0))
+        err = ffi.new("int *")
+        st = lib.gqp_py_thread_start(self.ptr, flags, err)
+        if st == ffi.NULL:
+            reason = {
+                -1: "greenlet or greqprof._registry could not be imported",
+                -2: "another greqprof profiler is already running in this "
+                    "thread",
+                -3: "out of memory",
+                -4: "greenlet.settrace() failed",
+            }.get(err[0], "error %d" % err[0])
+            raise ProfilerStateError("cannot start profiling: " + reason)
+        import threading
+        self.hooks = st
+        self.thread_ident = threading.get_ident()
+
+    def uninstall(self):
+        if self.hooks is None:
+            return
+        lib.gqp_py_thread_stop(self.hooks)
+        lib.gqp_py_thread_free(self.hooks)
+        self.hooks = None
+
+    def attach(self, greenlet, profile):
+        """Routes `greenlet`'s spans and calls to `profile` (None: detach).
+        Must be called from the thread this tracer is installed in."""
+        if self.hooks is None:
+            raise ProfilerStateError("tracer is not installed")
+        _check(lib.gqp_py_attach(self.hooks, id(greenlet),
+                                 profile.ptr if profile is not None
+                                 else ffi.NULL), "attach")
+
+    def greenlet_id(self, greenlet):
+        out = ffi.new("uint64_t *")
+        if lib.gqp_tracer_greenlet_id(self.ptr, id(greenlet), out) < 0:
+            return None
+        return out[0]
+
+    def running_since(self):
+        start = ffi.new("int64_t *")
+        gid = ffi.new("uint64_t *")
+        if lib.gqp_tracer_running_since(self.ptr, start, gid) < 0:
+            return None
+        return start[0], gid[0]
+
+    def waited(self, profile, start_ns, end_ns, top=5):
+        total = ffi.new("int64_t *")
+        ids = ffi.new("uint64_t[]", max(top, 1))
+        ns = ffi.new("int64_t[]", max(top, 1))
+        complete = ffi.new("int *")
+        n = _check(lib.gqp_tracer_waited(
+            self.ptr, profile.ptr if profile is not None else ffi.NULL,
+            start_ns, end_ns, total, ids, ns, top, complete), "waited")
+        return total[0], [(ids[i], ns[i]) for i in range(n)], bool(complete[0])
+
+
+def wall_ns():
+    return lib.gqp_clock_wall_ns()
+
+
+def capture_thread_stack(thread_ident):
+    """Stack text of what the thread is running now, or None."""
+    tag = lib.gqp_py_capture_thread(thread_ident)
+    return _registry.stacks.pop(tag, None) if tag else None
+
+
+def drain_long_spans():
+    """Long-span records queued by the hooks since the last call."""
+    recs = _registry.long_spans[:]
+    del _registry.long_spans[:len(recs)]
+    return recs
+
+
+_module_by_file = {}
+
+
+def module_of(filename):
+    """Module name for a source file, from sys.modules (cached)."""
+    mod = _module_by_file.get(filename)
+    if mod is None:
+        for name, m in list(sys.modules.items()):
+            f = getattr(m, "__file__", None)
+            if f:
+                _module_by_file.setdefault(f, name)
+        mod = _module_by_file.get(filename)
+        if mod is None:
+            base = filename.rsplit("/", 1)[-1]
+            mod = base[:-3] if base.endswith(".py") else base
+            _module_by_file[filename] = mod
+    return mod
+
+
+def func_info(key):
+    """(name, qualname, module, filename, lineno) of a function key."""
+    obj = _registry.codes.get(key)
+    if obj is None:
+        return ("<unknown>", "<unknown>", "", "", 0)
+    if isinstance(obj, tuple):
+        _, name, module, owner = obj
+        qual = "%s.%s" % (owner, name) if owner else name
+        return (name, qual, module or (owner and "builtins") or "", "~", 0)
+    qual = getattr(obj, "co_qualname", obj.co_name)
+    return (obj.co_name, qual, module_of(obj.co_filename), obj.co_filename,
+            obj.co_firstlineno)

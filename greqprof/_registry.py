@@ -1,0 +1,15 @@
+"""Objects the C hooks hand to Python (see _hooks.c).
+
+The hooks fetch these containers once and fill them; Python code reads them.
+They are module globals because cffi cannot return Python objects from C.
+"""
+
+#: function key -> code object, or ("builtin", name, module, owner type name)
+codes = {}
+#: stack tag -> traceback-style text (bounded in C; oldest dropped)
+stacks = {}
+#: long-span records: (thread_ident, greenlet_id, start_ns, end_ns, cpu_ns,
+#: flags, stack_tag, profile_address); bounded in C, drained by readers
+long_spans = []
+#: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
+names = {}

@@ -1,0 +1,201 @@
+"""The whole-process, greenlet-aware Profiler."""
+import sys
+import threading
+
+from . import _collect, _registry
+from ._lowlevel import RawProfile, RawTracer
+from .errors import ConfigError, ProfilerStateError
+
+CLOCKS = ("cpu", "wall")
+CPU_MODES = ("estimate", "exact")
+
+
+def _check_positive(name, value, integer=False, allow_zero=False):
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError("%s must be a number, got %r" % (name, value))
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError("%s must be %s, got %r"
+                          % (name, ">= 0" if allow_zero else "> 0", value))
+    return value
+
+
+class _Session:
+    """The tracer and profile of one OS thread."""
+
+    def __init__(self, tracer, profile, thread_name):
+        self.tracer = tracer
+        self.profile = profile
+        self.thread_name = thread_name
+
+
+class Profiler:
+    """Profiles every greenlet of the calling thread and of threads started
+    after :meth:`start`, each thread with its own hub accounted separately.
+
+    :param clock: ``"cpu"`` (a function's time counts only while its own
+        greenlet runs on CPU) or ``"wall"`` (elapsed time, including the time
+        its greenlet waited: the latency view).
+    :param builtins: also record C functions.
+    :param calls: record function statistics; ``False`` tracks spans only.
+    :param cpu: ``"estimate"`` reads the thread CPU clock at most once per
+        ``cpu_window`` seconds (error bounded by the window, see
+        docs/accuracy.md); ``"exact"`` reads it at every switch.
+    :param max_spans: spans kept per thread (the most recent ones); more are
+        counted in :attr:`dropped_spans`.
+    :param stack_threshold: spans at least this many seconds long get the
+        stack where their greenlet switched out (``None``: never).
+    """
+
+    def __init__(self, clock="cpu", builtins=False, calls=True, *,
+                 cpu="estimate", cpu_window=0.0001, max_spans=100000,
+                 stack_threshold=0.05, max_depth=1024):
+        if clock not in CLOCKS:
+            raise ConfigError("clock must be 'cpu' or 'wall', got %r"
+                              % (clock,))
+        if cpu not in CPU_MODES:
+            raise ConfigError("cpu must be 'estimate' or 'exact', got %r"
+                              % (cpu,))
+        self.clock = clock
+        self.builtins = bool(builtins)
+        self.calls = bool(calls)
+        self.cpu = cpu
+        self.cpu_window = _check_positive("cpu_window", cpu_window,
+                                          allow_zero=True)
+        self.max_spans = _check_positive("max_spans", max_spans,
+                                         integer=True, allow_zero=True)
+        if stack_threshold is not None:
+            _check_positive("stack_threshold", stack_threshold,
+                            allow_zero=True)
+        self.stack_threshold = stack_threshold
+        self.max_depth = _check_positive("max_depth", max_depth, integer=True)
+        self._sessions = []
+        self._lock = threading.Lock()
+        self._running = False
+        self._prev_thread_profile = None
+        self._starter = None
+
+    # -- state -----------------------------------------------------------
+    @property
+    def running(self):
+        return self._running
+
+    def _cpu_mode(self):
+        if self.clock == "wall" and not self.calls:
+            return "off"  # no CPU clock is read at all
+        return self.cpu
+
+    def _new_session(self):
+        tracer = RawTracer(
+            cpu_mode=self._cpu_mode(), call_clock=self.clock,
+            long_span_ns=(int(self.stack_threshold * 1e9)
+                          if self.stack_threshold is not None else 0),
+            cpu_window_ns=int(self.cpu_window * 1e9),
+            max_depth=self.max_depth)
+        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        tracer.set_default(profile)
+        tracer.install(calls=self.calls, builtins=self.builtins,
+                       inherit=False,
+                       stacks=self.stack_threshold is not None)
+        session = _Session(tracer, profile, threading.current_thread().name)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
+    def start(self):
+        """Starts profiling the calling thread and threads started later."""
+        if self._running:
+            raise ProfilerStateError("Profiler.start(): already started")
+        self._new_session()
+        self._running = True
+        self._starter = threading.get_ident()
+        if hasattr(threading, "getprofile"):
+            self._prev_thread_profile = threading.getprofile()
+        threading.setprofile(self._thread_bootstrap)
+        return self
+
+    def _thread_bootstrap(self, frame, event, arg):
+        # Runs once, as the first profile event of a new thread: swap the
+        # Python-level hook for the C ones.
+        sys.setprofile(None)
+        if self._running:
+            try:
+                self._new_session()
+            except Exception:  # never break the thread being profiled
+                pass
+        prev = self._prev_thread_profile
+        if prev is not None:
+            sys.setprofile(prev)
+
+    def stop(self):
+        """Stops profiling; the data stays readable until :meth:`clear`."""
+        if not self._running:
+            raise ProfilerStateError("Profiler.stop(): not started")
+        if threading.get_ident() != self._starter:
+            raise ProfilerStateError(
+                "Profiler.stop() must be called from the thread that "
+                "called start()")
+        self._running = False
+        threading.setprofile(self._prev_thread_profile)
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
+            s.tracer.uninstall()
+
+    def clear(self):
+        """Forgets everything recorded so far (also while running)."""
+        with self._lock:
+            sessions = list(self._sessions)
+            if not self._running:
+                self._sessions = []
+        for s in sessions:
+            s.profile.clear()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        if self._running:
+            self.stop()
+        return False
+
+    # -- results ---------------------------------------------------------
+    def _profiles(self):
+        with self._lock:
+            return [s.profile for s in self._sessions]
+
+    def func_stats(self):
+        """Function statistics (list of FuncStat, by inclusive time)."""
+        return _collect.func_stats(self._profiles())
+
+    def spans(self):
+        """Spans of every greenlet, oldest first (list of Span)."""
+        return _collect.spans(self._profiles())
+
+    def greenlet_stats(self):
+        """Per-greenlet totals (list of GreenletStat)."""
+        return _collect.greenlet_stats(self._profiles())
+
+    @property
+    def dropped_spans(self):
+        return sum(p.spans_dropped for p in self._profiles())
+
+    @property
+    def dropped_calls(self):
+        return sum(p.calls_dropped for p in self._profiles())
+
+    def print_stats(self, file=None, limit=30):
+        """Prints a cProfile-like table of the top functions."""
+        out = file or sys.stdout
+        out.write("%8s %8s %10s %10s %10s  %s\n"
+                  % ("ncalls", "prim", "tottime", "cumtime", "percall",
+                     "function"))
+        for f in self.func_stats()[:limit]:
+            out.write("%8d %8d %10.6f %10.6f %10.6f  %s (%s:%d)\n"
+                      % (f.ncall, f.nactualcall, f.tsub, f.ttot, f.tavg,
+                         f.qualname, f.filename, f.lineno))
+
+
+def clear_registry():
+    """Drops every stored stack (they are also bounded in C)."""
+    _registry.stacks.clear()

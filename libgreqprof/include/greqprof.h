@@ -1,0 +1,327 @@
+/*
+ * greqprof.h -- the public API of libgreqprof.
+ *
+ * libgreqprof does the accounting for a greenlet-aware profiler: it turns a
+ * stream of events ("greenlet A switched to greenlet B", "function F was
+ * called", "F returned") into execution spans, per-greenlet totals and
+ * function statistics.  It knows nothing about Python: greenlets and
+ * functions are opaque non-zero 64-bit keys chosen by the caller (the Python
+ * binding uses object addresses).
+ *
+ * Objects
+ *   gqp_profile  a container of results: spans, greenlet totals, function
+ *                and caller->callee statistics.  Reference counted.
+ *   gqp_tracer   the per-OS-thread event sink.  It owns the table of live
+ *                greenlets with their call stacks and routes each event to
+ *                the profile the running greenlet is attached to.
+ *
+ * Conventions
+ *   - Functions returning int return GQP_OK (0) or a negative GQP_E* code;
+ *     event functions return a non-negative set of GQP_EV_* flags on success.
+ *   - Every free/release function accepts NULL.
+ *   - Nothing returned points into memory the caller must free unless the
+ *     function says so; strings returned by readers live as long as the
+ *     profile that holds them.
+ *
+ * Thread safety
+ *   A gqp_tracer must be used by one thread at a time (normally: the thread
+ *   whose events it records).  A gqp_profile may be fed by one tracer and read
+ *   by any thread provided the caller serialises reads with the tracer's
+ *   events (the Python binding does so with the GIL).  gqp_version*,
+ *   gqp_strerror, gqp_err_name and the gqp_clock_* functions are safe from any
+ *   thread.  Greenlet ids come from one process-wide atomic counter, so ids
+ *   are unique across tracers and threads.
+ */
+#ifndef GREQPROF_H
+#define GREQPROF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- version ---------------------------------------------------------- */
+#define GQP_VERSION_MAJOR 0
+#define GQP_VERSION_MINOR 1
+#define GQP_VERSION_PATCH 0
+#define GQP_VERSION_NUMBER \
+    (GQP_VERSION_MAJOR * 10000 + GQP_VERSION_MINOR * 100 + GQP_VERSION_PATCH)
+#define GQP__STR2(x) #x
+#define GQP__STR(x) GQP__STR2(x)
+#define GQP_VERSION_STRING                                         \
+    GQP__STR(GQP_VERSION_MAJOR) "." GQP__STR(GQP_VERSION_MINOR) "." \
+    GQP__STR(GQP_VERSION_PATCH)
+
+#if defined(_WIN32) && defined(GQP_BUILD_DLL)
+#define GQP_API __declspec(dllexport)
+#elif defined(__GNUC__) || defined(__clang__)
+#define GQP_API __attribute__((visibility("default")))
+#else
+#define GQP_API
+#endif
+
+/* GQP_VERSION_NUMBER of the library actually loaded. */
+GQP_API unsigned gqp_version(void);
+GQP_API const char *gqp_version_string(void);
+
+/* ---- errors ----------------------------------------------------------- */
+/* Fixed numbers: part of the ABI. */
+#define GQP_OK 0
+#define GQP_EINVAL (-1)   /* an argument is invalid (NULL, zero key, ...)   */
+#define GQP_ENOMEM (-2)   /* an allocation failed; nothing was changed      */
+#define GQP_ESTATE (-3)   /* not allowed in the object's current state      */
+#define GQP_ERANGE (-4)   /* index or value out of range                    */
+#define GQP_EHANDLE (-5)  /* the handle is not a live object of that type   */
+#define GQP_ENOTFOUND (-6) /* no such greenlet / entry                      */
+#define GQP_ELIMIT (-7)   /* a configured cap was reached; data was dropped */
+#define GQP__ELAST (-7)
+
+/* A static English sentence for an error code ("unknown error" otherwise). */
+GQP_API const char *gqp_strerror(int code);
+/* The code's name, e.g. "GQP_ENOMEM". */
+GQP_API const char *gqp_err_name(int code);
+
+/* ---- clocks (nanoseconds) -------------------------------------------- */
+/* Monotonic wall clock; cheap (vDSO on Linux). */
+GQP_API int64_t gqp_clock_wall_ns(void);
+/* Wall clock as nanoseconds since the Unix epoch. */
+GQP_API int64_t gqp_clock_epoch_ns(void);
+/* CPU time consumed by the calling thread; a system call on Linux (~300 ns),
+ * so the tracer reads it sparingly (see GQP_TRACER_CPU_MODE). Falls back to
+ * process CPU time where per-thread time is unavailable. */
+GQP_API int64_t gqp_clock_thread_cpu_ns(void);
+
+/* A clock the tracer can read instead of the real ones (tests, replays). */
+typedef int64_t (*gqp_clock_fn)(void *ctx);
+
+/* ---- spans ------------------------------------------------------------ */
+/* One uninterrupted run of one greenlet between two switches. */
+typedef struct gqp_span {
+    uint64_t greenlet_id; /* id assigned by the tracer (never 0)           */
+    int64_t start_ns;     /* wall clock (gqp_clock_wall_ns domain)         */
+    int64_t end_ns;
+    int64_t cpu_ns;       /* CPU time of the span; -1 when not measured    */
+    uint32_t flags;       /* GQP_SPAN_*                                    */
+    uint32_t tag;         /* caller data (e.g. a stack id), 0 = none       */
+} gqp_span;
+
+#define GQP_SPAN_FINISHED 0x1u /* the greenlet ended at the end of the span  */
+#define GQP_SPAN_SPLIT 0x2u    /* ended by attach/detach/flush, not a switch */
+#define GQP_SPAN_LONG 0x4u     /* wall >= the tracer's long-span threshold   */
+
+/* ---- profiles --------------------------------------------------------- */
+typedef struct gqp_profile gqp_profile;
+
+typedef enum gqp_profile_param {
+    GQP_PROFILE_MAX_SPANS = 1,     /* spans kept (default 10000, 0 = none)  */
+    GQP_PROFILE_SPAN_POLICY = 2,   /* GQP_KEEP_FIRST (default)/GQP_KEEP_LAST */
+    GQP_PROFILE_MAX_FUNCS = 3,     /* distinct functions (default 65536)    */
+    GQP_PROFILE_MAX_EDGES = 4,     /* caller->callee pairs (default 262144) */
+    GQP_PROFILE_MAX_GREENLETS = 5, /* greenlet totals kept (default 65536)  */
+    GQP_PROFILE_MAX_NAME = 6       /* bytes kept of a name (default 255)    */
+} gqp_profile_param;
+
+#define GQP_KEEP_FIRST 0
+#define GQP_KEEP_LAST 1
+
+/* Creates an open profile with one reference, owned by the caller. */
+GQP_API int gqp_profile_new(gqp_profile **out);
+/* Caps may only be set before the profile receives data (GQP_ESTATE). */
+GQP_API int gqp_profile_set(gqp_profile *p, gqp_profile_param param,
+                            int64_t value);
+GQP_API int gqp_profile_get(const gqp_profile *p, gqp_profile_param param,
+                            int64_t *value);
+/* Reference counting: tracers hold a reference to each profile a greenlet
+ * is attached to.  gqp_profile_free drops the caller's reference. */
+GQP_API int gqp_profile_retain(gqp_profile *p);
+GQP_API void gqp_profile_free(gqp_profile *p);
+/* Closes the profile: no more data is accepted (events for greenlets still
+ * attached are ignored and the attachment is dropped lazily).  Closing twice
+ * returns GQP_ESTATE. */
+GQP_API int gqp_profile_close(gqp_profile *p);
+GQP_API int gqp_profile_is_closed(const gqp_profile *p);
+/* Empties the profile's data (caps and open/closed state are kept). */
+GQP_API int gqp_profile_clear(gqp_profile *p);
+
+/* Spans: count kept, counted-but-dropped, and read by index (0 = oldest). */
+GQP_API size_t gqp_profile_span_count(const gqp_profile *p);
+GQP_API uint64_t gqp_profile_spans_dropped(const gqp_profile *p);
+GQP_API int gqp_profile_span(const gqp_profile *p, size_t i, gqp_span *out);
+/* Tag the i-th kept span (e.g. with a stack id); GQP_ERANGE if gone. */
+GQP_API int gqp_profile_span_set_tag(gqp_profile *p, size_t i, uint32_t tag);
+/* Longest span by wall time, and longest by CPU time (GQP_ENOTFOUND when
+ * the profile has no span).  Kept even when the span itself was dropped. */
+GQP_API int gqp_profile_longest_span(const gqp_profile *p, gqp_span *out);
+GQP_API int gqp_profile_longest_cpu_span(const gqp_profile *p, gqp_span *out);
+
+/* Per-greenlet totals. */
+typedef struct gqp_greenlet_stat {
+    uint64_t greenlet_id;
+    int64_t wall_ns;       /* sum of the greenlet's span wall times        */
+    int64_t cpu_ns;        /* sum of span CPU times; -1 when not measured  */
+    uint64_t switches;     /* spans run (times it was switched to)         */
+    int64_t first_ns;      /* start of its first span                      */
+    int64_t last_ns;       /* end of its last span                         */
+    uint32_t finished;     /* 1 once the greenlet ended                    */
+    uint32_t reserved;
+    const char *name;      /* "" when not named; owned by the profile      */
+    const char *fn_name;
+} gqp_greenlet_stat;
+
+GQP_API size_t gqp_profile_greenlet_count(const gqp_profile *p);
+GQP_API uint64_t gqp_profile_greenlets_dropped(const gqp_profile *p);
+GQP_API int gqp_profile_greenlet(const gqp_profile *p, size_t i,
+                                 gqp_greenlet_stat *out);
+/* Names a greenlet (copies both strings, truncated to GQP_PROFILE_MAX_NAME);
+ * creates its entry when needed.  NULL leaves a name unchanged. */
+GQP_API int gqp_profile_name_greenlet(gqp_profile *p, uint64_t greenlet_id,
+                                      const char *name, const char *fn_name);
+
+/* Function statistics, cProfile semantics: ncall counts every call,
+ * nactual the non-recursive (outermost) ones; ttot is inclusive time counted
+ * once per outermost frame, tsub exclusive time.  Times use the tracer's
+ * call clock (GQP_TRACER_CALL_CLOCK). */
+typedef struct gqp_func_stat {
+    uint64_t key;
+    uint64_t ncall;
+    uint64_t nactual;
+    int64_t ttot_ns;
+    int64_t tsub_ns;
+} gqp_func_stat;
+
+typedef struct gqp_edge_stat {
+    uint64_t caller_key;
+    uint64_t callee_key;
+    uint64_t ncall;
+    uint64_t nactual;
+    int64_t ttot_ns;
+    int64_t tsub_ns;
+} gqp_edge_stat;
+
+GQP_API size_t gqp_profile_func_count(const gqp_profile *p);
+GQP_API int gqp_profile_func(const gqp_profile *p, size_t i,
+                             gqp_func_stat *out);
+GQP_API size_t gqp_profile_edge_count(const gqp_profile *p);
+GQP_API int gqp_profile_edge(const gqp_profile *p, size_t i,
+                             gqp_edge_stat *out);
+/* Calls not recorded because a cap (functions, edges, stack depth) was hit. */
+GQP_API uint64_t gqp_profile_calls_dropped(const gqp_profile *p);
+
+/* Epoch time of the profile's clock origin: add to a span's start_ns and
+ * subtract the value of gqp_profile_wall_origin to get epoch nanoseconds. */
+GQP_API int64_t gqp_profile_epoch_origin(const gqp_profile *p);
+GQP_API int64_t gqp_profile_wall_origin(const gqp_profile *p);
+
+/* ---- tracers ---------------------------------------------------------- */
+typedef struct gqp_tracer gqp_tracer;
+
+typedef enum gqp_tracer_param {
+    /* GQP_CPU_OFF, GQP_CPU_ESTIMATE (default) or GQP_CPU_EXACT. */
+    GQP_TRACER_CPU_MODE = 1,
+    /* The thread CPU clock costs a system call, so it is read only when at
+     * least this much wall time passed since the last reading (default
+     * 100000 ns; GQP_CPU_EXACT also reads it at every switch).  Between
+     * readings CPU time advances with wall time; each reading realigns the
+     * estimate with the real clock.  Accuracy (docs/accuracy.md):
+     *   GQP_CPU_EXACT:    spans exact; a frame within 2 windows.
+     *   GQP_CPU_ESTIMATE: a span within 1 window; a frame within 1 window
+     *                     per span it ran in, plus 1.
+     * Estimates are clamped at 0. */
+    GQP_TRACER_CPU_WINDOW_NS = 2,
+    /* GQP_CLOCK_CPU (default) or GQP_CLOCK_WALL: how call times are taken.
+     * CPU: a frame only accrues time while its own greenlet runs on CPU.
+     * WALL: elapsed time, including time the greenlet was switched out. */
+    GQP_TRACER_CALL_CLOCK = 3,
+    /* Spans at least this long (wall) raise GQP_EV_LONG_SPAN (default 0 =
+     * never). */
+    GQP_TRACER_LONG_SPAN_NS = 4,
+    GQP_TRACER_MAX_DEPTH = 5,     /* frames kept per greenlet (default 1024) */
+    GQP_TRACER_MAX_GREENLETS = 6, /* live greenlets tracked (default 1<<20)  */
+    GQP_TRACER_HISTORY = 7        /* recent spans of all greenlets kept for
+                                     gqp_tracer_waited (default 4096)       */
+} gqp_tracer_param;
+
+#define GQP_CPU_OFF 0
+#define GQP_CPU_ESTIMATE 1
+#define GQP_CPU_EXACT 2
+#define GQP_CLOCK_CPU 0
+#define GQP_CLOCK_WALL 1
+
+/* Flags in the non-negative result of event functions. */
+#define GQP_EV_NEW_GREENLET 0x1 /* the target was seen for the first time   */
+#define GQP_EV_LONG_SPAN 0x2    /* the span just closed is long; see
+                                   gqp_tracer_last_span                     */
+#define GQP_EV_NEW_FUNC 0x4     /* the function is new in its profile       */
+#define GQP_EV_DROPPED 0x8      /* data was dropped (a cap was reached)     */
+
+/* Flags for gqp_tracer_switch. */
+#define GQP_SWITCH_FROM_DEAD 0x1 /* the origin greenlet has finished         */
+
+GQP_API int gqp_tracer_new(gqp_tracer **out);
+GQP_API void gqp_tracer_free(gqp_tracer *t);
+/* Parameters may be changed only while no greenlet is running (before the
+ * first event or after gqp_tracer_flush), else GQP_ESTATE. */
+GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
+                           int64_t value);
+GQP_API int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
+                           int64_t *value);
+/* Replace the clocks (NULL restores the real one).  Same state rule. */
+GQP_API int gqp_tracer_set_clocks(gqp_tracer *t, gqp_clock_fn wall,
+                                  gqp_clock_fn cpu, void *ctx);
+/* Profile for greenlets not attached to another one (NULL: record nothing
+ * for them).  Takes a reference. */
+GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p);
+
+/* Events.  `from` may be 0 for "nothing was running" (the first event). */
+GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
+                              unsigned flags);
+GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func);
+GQP_API int gqp_tracer_return(gqp_tracer *t);
+
+/* Routes a greenlet's future spans and calls to p (NULL: back to the
+ * default).  When the greenlet is running, its current span is split at
+ * this instant so p receives only the part after it.  Its call stack starts
+ * afresh: frames entered before are not charged to p. */
+GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
+                              gqp_profile *p);
+/* Gives child the profile of parent (used when child is first seen). */
+GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent);
+/* The running greenlet: key, id and profile (any pointer may be NULL).
+ * GQP_ENOTFOUND when no greenlet is running. */
+GQP_API int gqp_tracer_current(const gqp_tracer *t, uint64_t *key,
+                               uint64_t *id, gqp_profile **profile);
+/* Id of a live greenlet by key. */
+GQP_API int gqp_tracer_greenlet_id(const gqp_tracer *t, uint64_t key,
+                                   uint64_t *id);
+/* The span closed by the last switch/attach, with the profile it went to
+ * (may be NULL) and its index there (SIZE_MAX when not kept). */
+GQP_API int gqp_tracer_last_span(const gqp_tracer *t, gqp_span *out,
+                                 gqp_profile **profile, size_t *index);
+/* Start of the running greenlet's current span (wall ns) and its id. */
+GQP_API int gqp_tracer_running_since(const gqp_tracer *t, int64_t *start_ns,
+                                     uint64_t *id);
+/* Forget a greenlet (e.g. it was collected without a final switch). */
+GQP_API int gqp_tracer_forget(gqp_tracer *t, uint64_t greenlet);
+/* Closes the running span and unwinds every call stack into the profiles,
+ * as if everything stopped now.  The tracer is then idle (no greenlet
+ * running) and may be reconfigured or fed again. */
+GQP_API int gqp_tracer_flush(gqp_tracer *t);
+/* Number of live greenlets tracked. */
+GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
+
+/* Time other greenlets ran during [start_ns, end_ns] while greenlets of
+ * `mine` did not, from the tracer's recent span history: the total, and the
+ * top `n` greenlets by time written to ids[]/ns[].  Returns the number of
+ * entries written; *complete is 0 when the history no longer reached back
+ * to start_ns. */
+GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
+                              int64_t start_ns, int64_t end_ns,
+                              int64_t *total_ns, uint64_t *ids, int64_t *ns,
+                              size_t n, int *complete);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GREQPROF_H */

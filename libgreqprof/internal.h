@@ -1,0 +1,109 @@
+/* internal.h -- private declarations shared by libgreqprof's sources.
+ * Names here start with gqp__ and are not exported. */
+#ifndef GQP_INTERNAL_H
+#define GQP_INTERNAL_H
+
+#include "greqprof.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define GQP__HIDDEN __attribute__((visibility("hidden")))
+
+/* ---- u64 -> u64 open-addressing map (map.c) -------------------------- */
+/* Key 0 means "empty", so callers must never insert 0. */
+typedef struct gqp__map {
+    uint64_t *keys;
+    uint64_t *vals;
+    size_t cap;   /* power of two, or 0 */
+    size_t len;
+} gqp__map;
+
+GQP__HIDDEN void gqp__map_init(gqp__map *m);
+GQP__HIDDEN void gqp__map_free(gqp__map *m);
+GQP__HIDDEN void gqp__map_clear(gqp__map *m);
+/* Pointer to the value of key, or NULL. */
+GQP__HIDDEN uint64_t *gqp__map_get(const gqp__map *m, uint64_t key);
+/* Pointer to the value of key, inserting it with value 0 when missing
+ * (*added set to true).  NULL on allocation failure. */
+GQP__HIDDEN uint64_t *gqp__map_put(gqp__map *m, uint64_t key, bool *added);
+GQP__HIDDEN bool gqp__map_del(gqp__map *m, uint64_t key);
+
+/* ---- spans (spans.c) ------------------------------------------------- */
+typedef struct gqp__spans {
+    gqp_span *buf;
+    size_t cap;     /* configured cap */
+    size_t alloc;   /* allocated slots (grows to cap) */
+    size_t len;     /* spans kept */
+    size_t head;    /* index of the oldest kept span (ring, KEEP_LAST) */
+    int policy;
+    uint64_t dropped;
+    bool have_longest;
+    gqp_span longest;
+    gqp_span longest_cpu;
+} gqp__spans;
+
+GQP__HIDDEN void gqp__spans_init(gqp__spans *s, size_t cap, int policy);
+GQP__HIDDEN void gqp__spans_free(gqp__spans *s);
+GQP__HIDDEN void gqp__spans_clear(gqp__spans *s);
+/* Appends; returns the kept index or SIZE_MAX when dropped. */
+GQP__HIDDEN size_t gqp__spans_push(gqp__spans *s, const gqp_span *span);
+GQP__HIDDEN gqp_span *gqp__spans_at(const gqp__spans *s, size_t i);
+
+/* ---- call statistics (calls.c) --------------------------------------- */
+typedef struct gqp__calls {
+    gqp__map func_index;  /* key -> index + 1 */
+    gqp_func_stat *funcs;
+    size_t nfuncs, funcs_alloc, max_funcs;
+    gqp__map edge_index;  /* ((caller+1) << 32 | (callee+1)) -> index + 1 */
+    gqp_edge_stat *edges;
+    size_t nedges, edges_alloc, max_edges;
+    uint64_t dropped;
+} gqp__calls;
+
+#define GQP__NOIDX UINT32_MAX
+
+GQP__HIDDEN void gqp__calls_init(gqp__calls *c);
+GQP__HIDDEN void gqp__calls_free(gqp__calls *c);
+GQP__HIDDEN void gqp__calls_clear(gqp__calls *c);
+/* Index of func (inserted when new, *added set); GQP__NOIDX when full. */
+GQP__HIDDEN uint32_t gqp__calls_func(gqp__calls *c, uint64_t key, bool *added);
+GQP__HIDDEN uint32_t gqp__calls_edge(gqp__calls *c, uint32_t caller,
+                                     uint32_t callee);
+
+/* ---- profiles (profile.c) -------------------------------------------- */
+typedef struct gqp__gstat {
+    gqp_greenlet_stat pub;
+    char *name;
+    char *fn_name;
+} gqp__gstat;
+
+struct gqp_profile {
+    uint32_t magic;
+    _Atomic uint32_t refs; /* dropped by tracers and by the owner */
+    uint64_t serial;      /* process-unique, for history comparisons */
+    bool closed;
+    bool has_data;
+    size_t max_name;
+    gqp__spans spans;
+    gqp__calls calls;
+    gqp__map gindex;      /* greenlet id -> index + 1 */
+    gqp__gstat *gstats;
+    size_t ngstats, gstats_alloc, max_greenlets;
+    uint64_t greenlets_dropped;
+    int64_t epoch_origin; /* epoch ns at creation */
+    int64_t wall_origin;  /* monotonic ns at creation */
+};
+
+#define GQP__PROFILE_MAGIC 0x67717066u /* "gqpf" */
+#define GQP__DEAD_MAGIC 0xdeadbeefu
+
+GQP__HIDDEN bool gqp__profile_live(const gqp_profile *p);
+/* Adds a closed span to the profile; returns kept index or SIZE_MAX. */
+GQP__HIDDEN size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s);
+GQP__HIDDEN gqp__gstat *gqp__profile_gstat(gqp_profile *p, uint64_t id);
+GQP__HIDDEN uint64_t gqp__next_serial(void);
+GQP__HIDDEN uint64_t gqp__next_greenlet_id(void);
+
+#endif /* GQP_INTERNAL_H */

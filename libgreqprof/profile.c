@@ -1,0 +1,459 @@
+/* profile.c -- the profile object: a reference-counted container of spans,
+ * per-greenlet totals and call statistics. */
+#include "internal.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+static _Atomic uint64_t next_serial = 1;
+static _Atomic uint64_t next_greenlet = 1;
+
+uint64_t gqp__next_serial(void)
+{
+    return atomic_fetch_add(&next_serial, 1);
+}
+
+uint64_t gqp__next_greenlet_id(void)
+{
+    return atomic_fetch_add(&next_greenlet, 1);
+}
+
+bool gqp__profile_live(const gqp_profile *p)
+{
+    return p && p->magic == GQP__PROFILE_MAGIC && p->refs > 0;
+}
+
+GQP_API int gqp_profile_new(gqp_profile **out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    *out = NULL;
+    gqp_profile *p = calloc(1, sizeof *p);
+    if (!p) {
+        return GQP_ENOMEM;
+    }
+    p->magic = GQP__PROFILE_MAGIC;
+    p->refs = 1;
+    p->serial = gqp__next_serial();
+    p->max_name = 255;
+    p->max_greenlets = 65536;
+    gqp__spans_init(&p->spans, 10000, GQP_KEEP_FIRST);
+    gqp__calls_init(&p->calls);
+    gqp__map_init(&p->gindex);
+    p->epoch_origin = gqp_clock_epoch_ns();
+    p->wall_origin = gqp_clock_wall_ns();
+    *out = p;
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_set(gqp_profile *p, gqp_profile_param param,
+                            int64_t value)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (p->has_data) {
+        return GQP_ESTATE;
+    }
+    if (value < 0) {
+        return GQP_ERANGE;
+    }
+    switch (param) {
+    case GQP_PROFILE_MAX_SPANS:
+        if (value > (int64_t)1 << 32) return GQP_ERANGE;
+        p->spans.cap = (size_t)value;
+        return GQP_OK;
+    case GQP_PROFILE_SPAN_POLICY:
+        if (value != GQP_KEEP_FIRST && value != GQP_KEEP_LAST) {
+            return GQP_ERANGE;
+        }
+        p->spans.policy = (int)value;
+        return GQP_OK;
+    case GQP_PROFILE_MAX_FUNCS:
+        if (value > (int64_t)1 << 30) return GQP_ERANGE;
+        p->calls.max_funcs = (size_t)value;
+        return GQP_OK;
+    case GQP_PROFILE_MAX_EDGES:
+        if (value > (int64_t)1 << 30) return GQP_ERANGE;
+        p->calls.max_edges = (size_t)value;
+        return GQP_OK;
+    case GQP_PROFILE_MAX_GREENLETS:
+        if (value > (int64_t)1 << 30) return GQP_ERANGE;
+        p->max_greenlets = (size_t)value;
+        return GQP_OK;
+    case GQP_PROFILE_MAX_NAME:
+        if (value > 65536) return GQP_ERANGE;
+        p->max_name = (size_t)value;
+        return GQP_OK;
+    }
+    return GQP_EINVAL;
+}
+
+GQP_API int gqp_profile_get(const gqp_profile *p, gqp_profile_param param,
+                            int64_t *value)
+{
+    if (!value) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    switch (param) {
+    case GQP_PROFILE_MAX_SPANS: *value = (int64_t)p->spans.cap; return GQP_OK;
+    case GQP_PROFILE_SPAN_POLICY: *value = p->spans.policy; return GQP_OK;
+    case GQP_PROFILE_MAX_FUNCS: *value = (int64_t)p->calls.max_funcs; return GQP_OK;
+    case GQP_PROFILE_MAX_EDGES: *value = (int64_t)p->calls.max_edges; return GQP_OK;
+    case GQP_PROFILE_MAX_GREENLETS: *value = (int64_t)p->max_greenlets; return GQP_OK;
+    case GQP_PROFILE_MAX_NAME: *value = (int64_t)p->max_name; return GQP_OK;
+    }
+    return GQP_EINVAL;
+}
+
+GQP_API int gqp_profile_retain(gqp_profile *p)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (atomic_load(&p->refs) == UINT32_MAX) {
+        return GQP_ELIMIT;
+    }
+    atomic_fetch_add(&p->refs, 1);
+    return GQP_OK;
+}
+
+static void free_gstats(gqp_profile *p)
+{
+    for (size_t i = 0; i < p->ngstats; i++) {
+        free(p->gstats[i].name);
+        free(p->gstats[i].fn_name);
+    }
+    p->ngstats = 0;
+}
+
+GQP_API void gqp_profile_free(gqp_profile *p)
+{
+    if (!gqp__profile_live(p)) {
+        return;
+    }
+    if (atomic_fetch_sub(&p->refs, 1) > 1) {
+        return;
+    }
+    gqp__spans_free(&p->spans);
+    gqp__calls_free(&p->calls);
+    free_gstats(p);
+    free(p->gstats);
+    gqp__map_free(&p->gindex);
+    p->magic = GQP__DEAD_MAGIC;
+    free(p);
+}
+
+GQP_API int gqp_profile_close(gqp_profile *p)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (p->closed) {
+        return GQP_ESTATE;
+    }
+    p->closed = true;
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_is_closed(const gqp_profile *p)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    return p->closed ? 1 : 0;
+}
+
+GQP_API int gqp_profile_clear(gqp_profile *p)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    gqp__spans_clear(&p->spans);
+    gqp__calls_clear(&p->calls);
+    /* A new serial makes tracers drop call stacks that index the old
+     * tables. */
+    p->serial = gqp__next_serial();
+    free_gstats(p);
+    gqp__map_clear(&p->gindex);
+    p->greenlets_dropped = 0;
+    p->has_data = false;
+    return GQP_OK;
+}
+
+/* ---- spans ------------------------------------------------------------ */
+
+size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s)
+{
+    p->has_data = true;
+    gqp__gstat *g = gqp__profile_gstat(p, s->greenlet_id);
+    if (g) {
+        gqp_greenlet_stat *st = &g->pub;
+        int64_t wall = s->end_ns - s->start_ns;
+        if (st->switches == 0 && st->wall_ns == 0) {
+            st->first_ns = s->start_ns;
+        }
+        st->wall_ns += wall;
+        if (s->cpu_ns >= 0) {
+            st->cpu_ns = (st->cpu_ns < 0 ? 0 : st->cpu_ns) + s->cpu_ns;
+        }
+        /* A split span is a continuation of the same run. */
+        if (!(s->flags & GQP_SPAN_SPLIT) || st->switches == 0) {
+            st->switches++;
+        }
+        st->last_ns = s->end_ns;
+        if (s->flags & GQP_SPAN_FINISHED) {
+            st->finished = 1;
+        }
+    }
+    return gqp__spans_push(&p->spans, s);
+}
+
+GQP_API size_t gqp_profile_span_count(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->spans.len : 0;
+}
+
+GQP_API uint64_t gqp_profile_spans_dropped(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->spans.dropped : 0;
+}
+
+GQP_API int gqp_profile_span(const gqp_profile *p, size_t i, gqp_span *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    gqp_span *s = gqp__spans_at(&p->spans, i);
+    if (!s) {
+        return GQP_ERANGE;
+    }
+    *out = *s;
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_span_set_tag(gqp_profile *p, size_t i, uint32_t tag)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    gqp_span *s = gqp__spans_at(&p->spans, i);
+    if (!s) {
+        return GQP_ERANGE;
+    }
+    s->tag = tag;
+    /* Keep the copies of the longest spans in step with the stored one. */
+    if (p->spans.longest.start_ns == s->start_ns &&
+        p->spans.longest.greenlet_id == s->greenlet_id) {
+        p->spans.longest.tag = tag;
+    }
+    if (p->spans.longest_cpu.start_ns == s->start_ns &&
+        p->spans.longest_cpu.greenlet_id == s->greenlet_id) {
+        p->spans.longest_cpu.tag = tag;
+    }
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_longest_span(const gqp_profile *p, gqp_span *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (!p->spans.have_longest) {
+        return GQP_ENOTFOUND;
+    }
+    *out = p->spans.longest;
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_longest_cpu_span(const gqp_profile *p, gqp_span *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (!p->spans.have_longest) {
+        return GQP_ENOTFOUND;
+    }
+    *out = p->spans.longest_cpu;
+    return GQP_OK;
+}
+
+/* ---- greenlet totals -------------------------------------------------- */
+
+gqp__gstat *gqp__profile_gstat(gqp_profile *p, uint64_t id)
+{
+    uint64_t *v = gqp__map_get(&p->gindex, id);
+    if (v) {
+        return &p->gstats[*v - 1];
+    }
+    if (p->ngstats >= p->max_greenlets) {
+        p->greenlets_dropped++;
+        return NULL;
+    }
+    if (p->ngstats == p->gstats_alloc) {
+        size_t n = p->gstats_alloc ? p->gstats_alloc * 2 : 16;
+        gqp__gstat *ng = realloc(p->gstats, n * sizeof *ng);
+        if (!ng) {
+            return NULL;
+        }
+        p->gstats = ng;
+        p->gstats_alloc = n;
+    }
+    bool added;
+    v = gqp__map_put(&p->gindex, id, &added);
+    if (!v) {
+        return NULL;
+    }
+    *v = p->ngstats + 1;
+    gqp__gstat *g = &p->gstats[p->ngstats++];
+    memset(g, 0, sizeof *g);
+    g->pub.greenlet_id = id;
+    g->pub.cpu_ns = -1;
+    return g;
+}
+
+GQP_API size_t gqp_profile_greenlet_count(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->ngstats : 0;
+}
+
+GQP_API uint64_t gqp_profile_greenlets_dropped(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->greenlets_dropped : 0;
+}
+
+GQP_API int gqp_profile_greenlet(const gqp_profile *p, size_t i,
+                                 gqp_greenlet_stat *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (i >= p->ngstats) {
+        return GQP_ERANGE;
+    }
+    const gqp__gstat *g = &p->gstats[i];
+    *out = g->pub;
+    out->name = g->name ? g->name : "";
+    out->fn_name = g->fn_name ? g->fn_name : "";
+    return GQP_OK;
+}
+
+static int set_name(char **slot, const char *s, size_t max)
+{
+    if (!s) {
+        return GQP_OK;
+    }
+    size_t n = strlen(s);
+    if (n > max) {
+        n = max;
+    }
+    char *c = malloc(n + 1);
+    if (!c) {
+        return GQP_ENOMEM;
+    }
+    memcpy(c, s, n);
+    c[n] = '\0';
+    free(*slot);
+    *slot = c;
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_name_greenlet(gqp_profile *p, uint64_t greenlet_id,
+                                      const char *name, const char *fn_name)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (greenlet_id == 0) {
+        return GQP_EINVAL;
+    }
+    if (p->closed) {
+        return GQP_ESTATE;
+    }
+    p->has_data = true;
+    gqp__gstat *g = gqp__profile_gstat(p, greenlet_id);
+    if (!g) {
+        return p->ngstats >= p->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
+    }
+    int rc = set_name(&g->name, name, p->max_name);
+    if (rc == GQP_OK) {
+        rc = set_name(&g->fn_name, fn_name, p->max_name);
+    }
+    return rc;
+}
+
+/* ---- call statistics -------------------------------------------------- */
+
+GQP_API size_t gqp_profile_func_count(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->calls.nfuncs : 0;
+}
+
+GQP_API int gqp_profile_func(const gqp_profile *p, size_t i,
+                             gqp_func_stat *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (i >= p->calls.nfuncs) {
+        return GQP_ERANGE;
+    }
+    *out = p->calls.funcs[i];
+    return GQP_OK;
+}
+
+GQP_API size_t gqp_profile_edge_count(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->calls.nedges : 0;
+}
+
+GQP_API int gqp_profile_edge(const gqp_profile *p, size_t i,
+                             gqp_edge_stat *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (i >= p->calls.nedges) {
+        return GQP_ERANGE;
+    }
+    *out = p->calls.edges[i];
+    return GQP_OK;
+}
+
+GQP_API uint64_t gqp_profile_calls_dropped(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->calls.dropped : 0;
+}
+
+GQP_API int64_t gqp_profile_epoch_origin(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->epoch_origin : 0;
+}
+
+GQP_API int64_t gqp_profile_wall_origin(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->wall_origin : 0;
+}

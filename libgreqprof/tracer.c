@@ -1,0 +1,964 @@
+/* tracer.c -- turns switch/call/return events into spans and statistics.
+ *
+ * Every live greenlet has an entry with its own call stack.  A switch closes
+ * the running greenlet's span and pauses its stack; the target's stack
+ * resumes.  Call times are taken on a per-greenlet clock: with
+ * GQP_CLOCK_CPU it only advances while that greenlet runs, so time spent in
+ * other greenlets is never charged to its frames. */
+#include "internal.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct frame {
+    uint32_t func;  /* index in the profile's function table, or NOIDX */
+    uint32_t edge;  /* index of the caller->func edge, or NOIDX */
+    int64_t start;  /* greenlet clock at entry */
+    int64_t child;  /* inclusive time of finished callees */
+} frame;
+
+typedef struct gqp__greenlet {
+    uint64_t key;
+    uint64_t id;
+    gqp_profile *profile;   /* attachment (a reference), NULL = default */
+    int64_t span_start;     /* wall ns */
+    int64_t span_cpu0;      /* estimated CPU clock at span start */
+    int64_t cpu_total;      /* CPU of finished spans (greenlet clock base) */
+    uint64_t stack_serial;  /* profile the frames' indexes refer to */
+    frame *stack;
+    uint32_t depth, alloc;
+    uint32_t lost;          /* frames above max_depth, not stored */
+    gqp__map rec;           /* active count per func / edge (recursion) */
+    struct gqp__greenlet *next_free;
+} gqp__greenlet;
+
+typedef struct hist_entry {
+    uint64_t greenlet_id;
+    uint64_t serial;        /* profile serial, 0 = none */
+    int64_t start, end;
+} hist_entry;
+
+#define TRACER_MAGIC 0x67717472u /* "gqtr" */
+#define FREE_POOL_MAX 256
+
+struct gqp_tracer {
+    uint32_t magic;
+    int cpu_mode;
+    int call_clock;
+    int64_t window;
+    int64_t long_ns;
+    uint32_t max_depth;
+    size_t max_greenlets;
+    gqp_clock_fn wall_fn, cpu_fn;
+    void *clock_ctx;
+
+    gqp__map gmap;          /* key -> gqp__greenlet * */
+    gqp__greenlet *cur;
+    gqp__greenlet *pool;
+    size_t pool_len;
+    gqp_profile *deflt;
+
+    /* CPU estimator: L is the estimated thread CPU clock. */
+    bool est_init;
+    int64_t L, last_wall, sync_wall, offset;
+
+    /* The span closed by the last switch. */
+    bool have_last;
+    gqp_span last;
+    gqp_profile *last_profile;  /* a reference */
+    size_t last_index;
+
+    /* Readable from other threads (watchdogs) without touching entries. */
+    _Atomic int64_t running_start;
+    _Atomic uint64_t running_id;
+
+    hist_entry *hist;
+    size_t hist_cap, hist_len, hist_head;
+    uint64_t hist_overwritten_end; /* end of the newest entry overwritten */
+};
+
+static bool tracer_live(const gqp_tracer *t)
+{
+    return t && t->magic == TRACER_MAGIC;
+}
+
+#define CHECK_TRACER(t)                                \
+    do {                                               \
+        if (!(t)) return GQP_EINVAL;                   \
+        if (!tracer_live(t)) return GQP_EHANDLE;       \
+    } while (0)
+
+static int64_t real_wall(void *ctx)
+{
+    (void)ctx;
+    return gqp_clock_wall_ns();
+}
+
+static int64_t real_cpu(void *ctx)
+{
+    (void)ctx;
+    return gqp_clock_thread_cpu_ns();
+}
+
+GQP_API int gqp_tracer_new(gqp_tracer **out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    *out = NULL;
+    gqp_tracer *t = calloc(1, sizeof *t);
+    if (!t) {
+        return GQP_ENOMEM;
+    }
+    t->magic = TRACER_MAGIC;
+    t->cpu_mode = GQP_CPU_ESTIMATE;
+    t->call_clock = GQP_CLOCK_CPU;
+    t->window = 100000;
+    t->max_depth = 1024;
+    t->max_greenlets = (size_t)1 << 20;
+    t->wall_fn = real_wall;
+    t->cpu_fn = real_cpu;
+    t->hist_cap = 4096;
+    t->hist = malloc(t->hist_cap * sizeof *t->hist);
+    if (!t->hist) {
+        free(t);
+        return GQP_ENOMEM;
+    }
+    gqp__map_init(&t->gmap);
+    *out = t;
+    return GQP_OK;
+}
+
+static void greenlet_release(gqp__greenlet *g)
+{
+    gqp_profile_free(g->profile);
+    g->profile = NULL;
+    free(g->stack);
+    gqp__map_free(&g->rec);
+    free(g);
+}
+
+GQP_API void gqp_tracer_free(gqp_tracer *t)
+{
+    if (!tracer_live(t)) {
+        return;
+    }
+    for (size_t i = 0; i < t->gmap.cap; i++) {
+        if (t->gmap.keys[i]) {
+            greenlet_release((gqp__greenlet *)(uintptr_t)t->gmap.vals[i]);
+        }
+    }
+    gqp__map_free(&t->gmap);
+    while (t->pool) {
+        gqp__greenlet *n = t->pool->next_free;
+        free(t->pool);
+        t->pool = n;
+    }
+    gqp_profile_free(t->deflt);
+    gqp_profile_free(t->last_profile);
+    free(t->hist);
+    t->magic = 0;
+    free(t);
+}
+
+GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
+                           int64_t value)
+{
+    CHECK_TRACER(t);
+    if (t->cur) {
+        return GQP_ESTATE;
+    }
+    switch (param) {
+    case GQP_TRACER_CPU_MODE:
+        if (value != GQP_CPU_OFF && value != GQP_CPU_ESTIMATE &&
+            value != GQP_CPU_EXACT) {
+            return GQP_ERANGE;
+        }
+        t->cpu_mode = (int)value;
+        t->est_init = false;
+        return GQP_OK;
+    case GQP_TRACER_CPU_WINDOW_NS:
+        if (value < 0) return GQP_ERANGE;
+        t->window = value;
+        return GQP_OK;
+    case GQP_TRACER_CALL_CLOCK:
+        if (value != GQP_CLOCK_CPU && value != GQP_CLOCK_WALL) {
+            return GQP_ERANGE;
+        }
+        t->call_clock = (int)value;
+        return GQP_OK;
+    case GQP_TRACER_LONG_SPAN_NS:
+        if (value < 0) return GQP_ERANGE;
+        t->long_ns = value;
+        return GQP_OK;
+    case GQP_TRACER_MAX_DEPTH:
+        if (value < 1 || value > (1 << 24)) return GQP_ERANGE;
+        t->max_depth = (uint32_t)value;
+        return GQP_OK;
+    case GQP_TRACER_MAX_GREENLETS:
+        if (value < 1 || value > ((int64_t)1 << 30)) return GQP_ERANGE;
+        t->max_greenlets = (size_t)value;
+        return GQP_OK;
+    case GQP_TRACER_HISTORY: {
+        if (value < 0 || value > (1 << 24)) return GQP_ERANGE;
+        hist_entry *h = NULL;
+        if (value > 0) {
+            h = malloc((size_t)value * sizeof *h);
+            if (!h) return GQP_ENOMEM;
+        }
+        free(t->hist);
+        t->hist = h;
+        t->hist_cap = (size_t)value;
+        t->hist_len = t->hist_head = 0;
+        t->hist_overwritten_end = 0;
+        return GQP_OK;
+    }
+    }
+    return GQP_EINVAL;
+}
+
+GQP_API int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
+                           int64_t *value)
+{
+    CHECK_TRACER(t);
+    if (!value) {
+        return GQP_EINVAL;
+    }
+    switch (param) {
+    case GQP_TRACER_CPU_MODE: *value = t->cpu_mode; return GQP_OK;
+    case GQP_TRACER_CPU_WINDOW_NS: *value = t->window; return GQP_OK;
+    case GQP_TRACER_CALL_CLOCK: *value = t->call_clock; return GQP_OK;
+    case GQP_TRACER_LONG_SPAN_NS: *value = t->long_ns; return GQP_OK;
+    case GQP_TRACER_MAX_DEPTH: *value = t->max_depth; return GQP_OK;
+    case GQP_TRACER_MAX_GREENLETS: *value = (int64_t)t->max_greenlets; return GQP_OK;
+    case GQP_TRACER_HISTORY: *value = (int64_t)t->hist_cap; return GQP_OK;
+    }
+    return GQP_EINVAL;
+}
+
+GQP_API int gqp_tracer_set_clocks(gqp_tracer *t, gqp_clock_fn wall,
+                                  gqp_clock_fn cpu, void *ctx)
+{
+    CHECK_TRACER(t);
+    if (t->cur) {
+        return GQP_ESTATE;
+    }
+    t->wall_fn = wall ? wall : real_wall;
+    t->cpu_fn = cpu ? cpu : real_cpu;
+    t->clock_ctx = ctx;
+    t->est_init = false;
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p)
+{
+    CHECK_TRACER(t);
+    if (p && !gqp__profile_live(p)) {
+        return GQP_EHANDLE;
+    }
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    gqp_profile_free(t->deflt);
+    t->deflt = p;
+    return GQP_OK;
+}
+
+/* ---- the CPU estimator ------------------------------------------------ */
+
+/* Estimated thread CPU clock at wall time `now`.  Between readings of the
+ * real clock it advances with wall time; each reading puts it back on the
+ * real clock (it may step back), so its error never exceeds the off-CPU time
+ * within one window. */
+static int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
+{
+    if (!t->est_init) {
+        int64_t c = t->cpu_fn(t->clock_ctx);
+        t->offset = now - c;
+        t->L = c;
+        t->last_wall = t->sync_wall = now;
+        t->est_init = true;
+        return t->L;
+    }
+    int64_t gap = now - t->last_wall;
+    if (gap > 0) {
+        t->L += gap;
+        t->last_wall = now;
+    }
+    if (force || now - t->sync_wall >= t->window) {
+        t->L = t->cpu_fn(t->clock_ctx);
+        t->sync_wall = now;
+    }
+    return t->L;
+}
+
+static inline int64_t wall_now(gqp_tracer *t)
+{
+    return t->wall_fn(t->clock_ctx);
+}
+
+/* The clock a greenlet's frames are timed with. */
+static inline int64_t greenlet_clock(gqp_tracer *t, gqp__greenlet *g,
+                                     int64_t now)
+{
+    if (t->call_clock == GQP_CLOCK_WALL) {
+        return now;
+    }
+    int64_t L = t->cpu_mode == GQP_CPU_OFF ? now : cpu_at(t, now, false);
+    int64_t run = L - g->span_cpu0;
+    return g->cpu_total + (run > 0 ? run : 0);
+}
+
+/* Greenlet clock of g at wall `now` given the estimated CPU clock L. */
+static inline int64_t gclock_at(const gqp_tracer *t, const gqp__greenlet *g,
+                                int64_t now, int64_t L)
+{
+    if (t->call_clock == GQP_CLOCK_WALL) {
+        return now;
+    }
+    int64_t run = L - g->span_cpu0;
+    return g->cpu_total + (run > 0 ? run : 0);
+}
+
+/* Greenlet clock of a paused greenlet (or the running one after its span
+ * was closed). */
+static inline int64_t gclock_paused(const gqp_tracer *t,
+                                    const gqp__greenlet *g, int64_t now)
+{
+    return t->call_clock == GQP_CLOCK_WALL ? now : g->cpu_total;
+}
+
+/* ---- greenlet entries ------------------------------------------------- */
+
+static gqp__greenlet *lookup(const gqp_tracer *t, uint64_t key)
+{
+    uint64_t *v = gqp__map_get(&t->gmap, key);
+    return v ? (gqp__greenlet *)(uintptr_t)*v : NULL;
+}
+
+static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
+{
+    if (t->gmap.len >= t->max_greenlets) {
+        return NULL;
+    }
+    gqp__greenlet *g = t->pool;
+    if (g) {
+        t->pool = g->next_free;
+        t->pool_len--;
+    } else {
+        g = malloc(sizeof *g);
+        if (!g) {
+            return NULL;
+        }
+    }
+    memset(g, 0, sizeof *g);
+    bool added;
+    uint64_t *v = gqp__map_put(&t->gmap, key, &added);
+    if (!v) {
+        free(g);
+        return NULL;
+    }
+    *v = (uint64_t)(uintptr_t)g;
+    g->key = key;
+    g->id = gqp__next_greenlet_id();
+    gqp__map_init(&g->rec);
+    return g;
+}
+
+static void reset_stack(gqp__greenlet *g, uint64_t serial)
+{
+    g->depth = 0;
+    g->lost = 0;
+    gqp__map_clear(&g->rec);
+    g->stack_serial = serial;
+}
+
+static void destroy(gqp_tracer *t, gqp__greenlet *g)
+{
+    gqp__map_del(&t->gmap, g->key);
+    if (t->cur == g) {
+        t->cur = NULL;
+    }
+    gqp_profile_free(g->profile);
+    free(g->stack);
+    gqp__map_free(&g->rec);
+    if (t->pool_len < FREE_POOL_MAX) {
+        g->next_free = t->pool;
+        t->pool = g;
+        t->pool_len++;
+    } else {
+        free(g);
+    }
+}
+
+/* The profile a greenlet's data goes to now.  Closed attachments are
+ * dropped here, and a stack built for another profile is discarded, since
+ * its frames hold that profile's indexes. */
+static gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
+{
+    if (g->profile && g->profile->closed) {
+        gqp_profile_free(g->profile);
+        g->profile = NULL;
+    }
+    gqp_profile *p = g->profile;
+    if (!p && t->deflt && !t->deflt->closed) {
+        p = t->deflt;
+    }
+    uint64_t serial = p ? p->serial : 0;
+    if (serial != g->stack_serial) {
+        reset_stack(g, serial);
+    }
+    return p;
+}
+
+static void history_push(gqp_tracer *t, const gqp_span *s, uint64_t serial)
+{
+    if (t->hist_cap == 0) {
+        return;
+    }
+    size_t i;
+    if (t->hist_len < t->hist_cap) {
+        i = (t->hist_head + t->hist_len++) % t->hist_cap;
+    } else {
+        i = t->hist_head;
+        t->hist_overwritten_end = (uint64_t)t->hist[i].end;
+        t->hist_head = (t->hist_head + 1) % t->hist_cap;
+    }
+    hist_entry *h = &t->hist[i];
+    h->greenlet_id = s->greenlet_id;
+    h->serial = serial;
+    h->start = s->start_ns;
+    h->end = s->end_ns;
+}
+
+/* Ends g's running span at `now`.  Returns GQP_EV_* flags. */
+static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
+                      uint32_t flags)
+{
+    int ev = 0;
+    gqp_span s;
+    s.greenlet_id = g->id;
+    s.start_ns = g->span_start;
+    s.end_ns = now > g->span_start ? now : g->span_start;
+    int64_t run = L - g->span_cpu0;
+    if (run < 0) {
+        run = 0;
+    }
+    s.cpu_ns = t->cpu_mode == GQP_CPU_OFF ? -1 : run;
+    s.flags = flags;
+    s.tag = 0;
+    g->cpu_total += run;
+    if (t->long_ns > 0 && s.end_ns - s.start_ns >= t->long_ns) {
+        s.flags |= GQP_SPAN_LONG;
+        ev |= GQP_EV_LONG_SPAN;
+    }
+    gqp_profile *p = effective(t, g);
+    size_t idx = SIZE_MAX;
+    if (p) {
+        idx = gqp__profile_add_span(p, &s);
+        if (idx == SIZE_MAX) {
+            ev |= GQP_EV_DROPPED;
+        }
+    }
+    history_push(t, &s, p ? p->serial : 0);
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    gqp_profile_free(t->last_profile);
+    t->last_profile = p;
+    t->last = s;
+    t->last_index = idx;
+    t->have_last = true;
+    return ev;
+}
+
+static void start_span(gqp_tracer *t, gqp__greenlet *g, int64_t now,
+                       int64_t L)
+{
+    g->span_start = now;
+    g->span_cpu0 = L;
+    t->cur = g;
+    atomic_store_explicit(&t->running_start, now, memory_order_relaxed);
+    atomic_store_explicit(&t->running_id, g->id, memory_order_relaxed);
+}
+
+static inline int64_t span_clock(gqp_tracer *t, int64_t now)
+{
+    if (t->cpu_mode == GQP_CPU_OFF) {
+        return now;
+    }
+    return cpu_at(t, now, t->cpu_mode == GQP_CPU_EXACT);
+}
+
+/* Pops every frame of g into its profile at greenlet clock `gnow`. */
+static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
+                   int64_t gnow);
+
+/* ---- events ----------------------------------------------------------- */
+
+GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
+                              unsigned flags)
+{
+    CHECK_TRACER(t);
+    if (to == 0 || (flags & ~(unsigned)GQP_SWITCH_FROM_DEAD)) {
+        return GQP_EINVAL;
+    }
+    int ev = 0;
+    int64_t now = wall_now(t);
+    int64_t L = span_clock(t, now);
+    gqp__greenlet *g = t->cur;
+    if (from != 0 && (!g || g->key != from)) {
+        /* We missed a switch (or tracing started elsewhere): trust `from`. */
+        g = lookup(t, from);
+    }
+    if (g && g == t->cur) {
+        bool dead = flags & GQP_SWITCH_FROM_DEAD;
+        ev |= close_span(t, g, now, L, dead ? GQP_SPAN_FINISHED : 0);
+        if (dead) {
+            gqp_profile *p = effective(t, g);
+            if (p && g->depth) {
+                unwind(t, g, p, gclock_paused(t, g, now));
+            }
+            destroy(t, g);
+        }
+    } else if (g && (flags & GQP_SWITCH_FROM_DEAD)) {
+        destroy(t, g);
+    }
+    t->cur = NULL;
+    gqp__greenlet *n = lookup(t, to);
+    if (!n) {
+        n = create(t, to);
+        if (!n) {
+            atomic_store_explicit(&t->running_id, 0, memory_order_relaxed);
+            return ev | GQP_EV_DROPPED;
+        }
+        ev |= GQP_EV_NEW_GREENLET;
+    }
+    start_span(t, n, now, L);
+    return ev;
+}
+
+static bool push_frame(gqp__greenlet *g, uint32_t func, uint32_t edge,
+                       int64_t start)
+{
+    if (g->depth == g->alloc) {
+        uint32_t n = g->alloc ? g->alloc * 2 : 16;
+        frame *ns = realloc(g->stack, n * sizeof *ns);
+        if (!ns) {
+            return false;
+        }
+        g->stack = ns;
+        g->alloc = n;
+    }
+    frame *f = &g->stack[g->depth++];
+    f->func = func;
+    f->edge = edge;
+    f->start = start;
+    f->child = 0;
+    return true;
+}
+
+/* Active-frame counters live in g->rec: key func+1 for a function, the edge
+ * key (caller+1)<<32 | (callee+1) for a pair; both are never 0. */
+static inline uint64_t func_rkey(uint32_t func)
+{
+    return (uint64_t)func + 1;
+}
+
+static inline uint64_t edge_rkey(uint32_t edge)
+{
+    return ((uint64_t)edge + 1) << 32;
+}
+
+GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
+{
+    CHECK_TRACER(t);
+    if (func == 0) {
+        return GQP_EINVAL;
+    }
+    gqp__greenlet *g = t->cur;
+    if (!g) {
+        return 0;
+    }
+    gqp_profile *p = effective(t, g);
+    if (!p) {
+        return 0;
+    }
+    int64_t start = greenlet_clock(t, g, wall_now(t));
+    p->has_data = true;
+    if (g->lost || g->depth >= t->max_depth) {
+        g->lost++;
+        p->calls.dropped++;
+        return GQP_EV_DROPPED;
+    }
+    int ev = 0;
+    bool added = false;
+    uint32_t idx = gqp__calls_func(&p->calls, func, &added);
+    uint32_t edge = GQP__NOIDX;
+    if (idx == GQP__NOIDX) {
+        p->calls.dropped++;
+        ev |= GQP_EV_DROPPED;
+    } else {
+        if (added) {
+            ev |= GQP_EV_NEW_FUNC;
+        }
+        bool fresh;
+        uint64_t *cnt = gqp__map_put(&g->rec, func_rkey(idx), &fresh);
+        if (!cnt) {
+            p->calls.dropped++;
+            idx = GQP__NOIDX;
+            ev |= GQP_EV_DROPPED;
+        } else {
+            ++*cnt;
+            uint32_t caller = g->depth ? g->stack[g->depth - 1].func
+                                       : GQP__NOIDX;
+            if (caller != GQP__NOIDX) {
+                edge = gqp__calls_edge(&p->calls, caller, idx);
+                if (edge != GQP__NOIDX) {
+                    uint64_t *ec = gqp__map_put(&g->rec, edge_rkey(edge),
+                                                &fresh);
+                    if (ec) {
+                        ++*ec;
+                    } else {
+                        edge = GQP__NOIDX;
+                    }
+                }
+            }
+        }
+    }
+    if (!push_frame(g, idx, edge, start)) {
+        /* Keep the stack in step with the interpreter's. */
+        if (idx != GQP__NOIDX) {
+            --*gqp__map_get(&g->rec, func_rkey(idx));
+        }
+        if (edge != GQP__NOIDX) {
+            --*gqp__map_get(&g->rec, edge_rkey(edge));
+        }
+        g->lost++;
+        p->calls.dropped++;
+        return ev | GQP_EV_DROPPED;
+    }
+    return ev;
+}
+
+/* Pops g's top frame at greenlet clock gnow. */
+static void pop_frame(gqp__greenlet *g, gqp_profile *p, int64_t gnow)
+{
+    frame *f = &g->stack[--g->depth];
+    int64_t tt = gnow - f->start;
+    if (tt < 0) {
+        tt = 0;
+    }
+    int64_t sub = tt - f->child;
+    if (sub < 0) {
+        sub = 0;
+    }
+    if (f->func != GQP__NOIDX) {
+        gqp_func_stat *fs = &p->calls.funcs[f->func];
+        fs->ncall++;
+        uint64_t *cnt = gqp__map_get(&g->rec, func_rkey(f->func));
+        if (cnt && *cnt > 0 && --*cnt == 0) {
+            fs->nactual++;
+            fs->ttot_ns += tt;
+        }
+        fs->tsub_ns += sub;
+        if (f->edge != GQP__NOIDX) {
+            gqp_edge_stat *es = &p->calls.edges[f->edge];
+            es->ncall++;
+            uint64_t *ec = gqp__map_get(&g->rec, edge_rkey(f->edge));
+            if (ec && *ec > 0 && --*ec == 0) {
+                es->nactual++;
+                es->ttot_ns += tt;
+            }
+            es->tsub_ns += sub;
+        }
+    }
+    if (g->depth > 0) {
+        g->stack[g->depth - 1].child += tt;
+    }
+}
+
+static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
+                   int64_t gnow)
+{
+    (void)t;
+    g->lost = 0;
+    while (g->depth > 0) {
+        pop_frame(g, p, gnow);
+    }
+}
+
+GQP_API int gqp_tracer_return(gqp_tracer *t)
+{
+    CHECK_TRACER(t);
+    gqp__greenlet *g = t->cur;
+    if (!g) {
+        return 0;
+    }
+    gqp_profile *p = effective(t, g);
+    if (!p) {
+        return 0;
+    }
+    if (g->lost) {
+        g->lost--;
+        return 0;
+    }
+    if (g->depth == 0) {
+        /* A frame entered before tracing (or attachment) began. */
+        return 0;
+    }
+    pop_frame(g, p, greenlet_clock(t, g, wall_now(t)));
+    return 0;
+}
+
+/* ---- attachment ------------------------------------------------------- */
+
+GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
+                              gqp_profile *p)
+{
+    CHECK_TRACER(t);
+    if (greenlet == 0) {
+        return GQP_EINVAL;
+    }
+    if (p && !gqp__profile_live(p)) {
+        return GQP_EHANDLE;
+    }
+    if (p && p->closed) {
+        return GQP_ESTATE;
+    }
+    gqp__greenlet *g = lookup(t, greenlet);
+    if (!g) {
+        g = create(t, greenlet);
+        if (!g) {
+            return t->gmap.len >= t->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
+        }
+    }
+    int ev = 0;
+    if (g == t->cur) {
+        int64_t now = wall_now(t);
+        int64_t L = span_clock(t, now);
+        gqp_profile *old = effective(t, g);
+        if (old && g->depth) {
+            unwind(t, g, old, gclock_at(t, g, now, L));
+        }
+        ev = close_span(t, g, now, L, GQP_SPAN_SPLIT);
+        start_span(t, g, now, L);
+    }
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    gqp_profile_free(g->profile);
+    g->profile = p;
+    gqp_profile *eff = effective(t, g);
+    reset_stack(g, eff ? eff->serial : 0);
+    return ev & GQP_EV_LONG_SPAN;
+}
+
+GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
+{
+    CHECK_TRACER(t);
+    if (child == 0 || parent == 0) {
+        return GQP_EINVAL;
+    }
+    gqp__greenlet *pg = lookup(t, parent);
+    if (!pg) {
+        return GQP_ENOTFOUND;
+    }
+    gqp__greenlet *cg = lookup(t, child);
+    if (!cg) {
+        cg = create(t, child);
+        if (!cg) {
+            return t->gmap.len >= t->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
+        }
+    }
+    if (cg == pg) {
+        return GQP_OK;
+    }
+    gqp_profile *p = pg->profile && !pg->profile->closed ? pg->profile : NULL;
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    gqp_profile_free(cg->profile);
+    cg->profile = p;
+    return GQP_OK;
+}
+
+/* ---- queries ---------------------------------------------------------- */
+
+GQP_API int gqp_tracer_current(const gqp_tracer *t, uint64_t *key,
+                               uint64_t *id, gqp_profile **profile)
+{
+    CHECK_TRACER(t);
+    gqp__greenlet *g = t->cur;
+    if (!g) {
+        return GQP_ENOTFOUND;
+    }
+    if (key) *key = g->key;
+    if (id) *id = g->id;
+    if (profile) {
+        gqp_profile *p = g->profile && !g->profile->closed ? g->profile : NULL;
+        if (!p && t->deflt && !t->deflt->closed) {
+            p = t->deflt;
+        }
+        *profile = p;
+    }
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_greenlet_id(const gqp_tracer *t, uint64_t key,
+                                   uint64_t *id)
+{
+    CHECK_TRACER(t);
+    if (key == 0 || !id) {
+        return GQP_EINVAL;
+    }
+    gqp__greenlet *g = lookup(t, key);
+    if (!g) {
+        return GQP_ENOTFOUND;
+    }
+    *id = g->id;
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_last_span(const gqp_tracer *t, gqp_span *out,
+                                 gqp_profile **profile, size_t *index)
+{
+    CHECK_TRACER(t);
+    if (!t->have_last) {
+        return GQP_ENOTFOUND;
+    }
+    if (out) *out = t->last;
+    if (profile) *profile = t->last_profile;
+    if (index) *index = t->last_index;
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_running_since(const gqp_tracer *t, int64_t *start_ns,
+                                     uint64_t *id)
+{
+    CHECK_TRACER(t);
+    uint64_t gid = atomic_load_explicit(&t->running_id, memory_order_relaxed);
+    if (gid == 0) {
+        return GQP_ENOTFOUND;
+    }
+    if (start_ns) {
+        *start_ns = atomic_load_explicit(&t->running_start,
+                                         memory_order_relaxed);
+    }
+    if (id) *id = gid;
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_forget(gqp_tracer *t, uint64_t greenlet)
+{
+    CHECK_TRACER(t);
+    if (greenlet == 0) {
+        return GQP_EINVAL;
+    }
+    gqp__greenlet *g = lookup(t, greenlet);
+    if (!g) {
+        return GQP_ENOTFOUND;
+    }
+    if (g == t->cur) {
+        return GQP_ESTATE;
+    }
+    destroy(t, g);
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_flush(gqp_tracer *t)
+{
+    CHECK_TRACER(t);
+    int64_t now = wall_now(t);
+    int64_t L = t->cpu_mode == GQP_CPU_OFF ? now : cpu_at(t, now, true);
+    gqp__greenlet *cur = t->cur;
+    if (cur) {
+        close_span(t, cur, now, L, GQP_SPAN_SPLIT);
+    }
+    for (size_t i = 0; i < t->gmap.cap; i++) {
+        if (!t->gmap.keys[i]) {
+            continue;
+        }
+        gqp__greenlet *g = (gqp__greenlet *)(uintptr_t)t->gmap.vals[i];
+        gqp_profile *p = effective(t, g);
+        if (p && g->depth) {
+            /* close_span already moved the running greenlet's clock on. */
+            unwind(t, g, p, gclock_paused(t, g, now));
+        }
+        reset_stack(g, g->stack_serial);
+    }
+    t->cur = NULL;
+    atomic_store_explicit(&t->running_id, 0, memory_order_relaxed);
+    return GQP_OK;
+}
+
+GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t)
+{
+    return tracer_live(t) ? t->gmap.len : 0;
+}
+
+GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
+                              int64_t start_ns, int64_t end_ns,
+                              int64_t *total_ns, uint64_t *ids, int64_t *ns,
+                              size_t n, int *complete)
+{
+    CHECK_TRACER(t);
+    if (!total_ns || (n && (!ids || !ns)) || end_ns < start_ns) {
+        return GQP_EINVAL;
+    }
+    if (mine && !gqp__profile_live(mine)) {
+        return GQP_EHANDLE;
+    }
+    uint64_t serial = mine ? mine->serial : 0;
+    gqp__map acc; /* greenlet id -> ns waited on it */
+    gqp__map_init(&acc);
+    int64_t total = 0;
+    for (size_t k = 0; k < t->hist_len; k++) {
+        const hist_entry *h = &t->hist[(t->hist_head + k) % t->hist_cap];
+        if (h->end <= start_ns || h->start >= end_ns) {
+            continue;
+        }
+        if (serial && h->serial == serial) {
+            continue;
+        }
+        int64_t a = h->start > start_ns ? h->start : start_ns;
+        int64_t b = h->end < end_ns ? h->end : end_ns;
+        total += b - a;
+        if (n) {
+            bool added;
+            uint64_t *v = gqp__map_put(&acc, h->greenlet_id, &added);
+            if (!v) {
+                gqp__map_free(&acc);
+                return GQP_ENOMEM;
+            }
+            *v += (uint64_t)(b - a);
+        }
+    }
+    /* Top n by time: insertion into the (short) output arrays. */
+    size_t used = 0;
+    for (size_t i = 0; i < acc.cap; i++) {
+        if (!acc.keys[i]) {
+            continue;
+        }
+        int64_t d = (int64_t)acc.vals[i];
+        if (used == n && d <= ns[n - 1]) {
+            continue;
+        }
+        size_t j = used < n ? used++ : n - 1;
+        while (j > 0 && ns[j - 1] < d) {
+            ids[j] = ids[j - 1];
+            ns[j] = ns[j - 1];
+            j--;
+        }
+        ids[j] = acc.keys[i];
+        ns[j] = d;
+    }
+    gqp__map_free(&acc);
+    *total_ns = total;
+    if (complete) {
+        *complete = t->hist_overwritten_end == 0 ||
+                    (int64_t)t->hist_overwritten_end <= start_ns;
+    }
+    return (int)used;
+}
