@@ -101,6 +101,9 @@ int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
                    int64_t *value);
 int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p);
 int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet, gqp_profile *p);
+int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
+                                 gqp_profile *p);
+size_t gqp_profile_attached(const gqp_profile *p);
 int gqp_tracer_greenlet_id(const gqp_tracer *t, uint64_t key, uint64_t *id);
 int gqp_tracer_running_since(const gqp_tracer *t, int64_t *start_ns,
                              uint64_t *id);

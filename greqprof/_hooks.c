@@ -308,6 +308,12 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     if (st->stacks && !dead) {
         PyObject *fr = frame_getter(origin, NULL);
         PyErr_Clear();
+        if (!fr || fr == Py_None) {
+            /* A running greenlet (a split span): where it is now. */
+            Py_XDECREF(fr);
+            fr = (PyObject *)PyEval_GetFrame();
+            Py_XINCREF(fr);
+        }
         PyObject *text = format_stack(fr);
         Py_XDECREF(fr);
         tag = store_stack(text);
@@ -654,6 +660,9 @@ static int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p)
     int rc = GQP_ESTATE;
     if (st->active && st->tracer) {
         rc = gqp_tracer_attach(st->tracer, (uint64_t)g, p);
+        if (rc > 0 && (rc & GQP_EV_LONG_SPAN)) {
+            on_long_span(st, (PyObject *)g, 0);
+        }
         if (rc >= 0) {
             uint64_t id = 0;
             if (p && gqp_tracer_greenlet_id(st->tracer, (uint64_t)g, &id) ==

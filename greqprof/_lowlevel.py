@@ -108,6 +108,11 @@ class RawProfile:
         return out
 
     @property
+    def attached(self):
+        """Live greenlets whose spans go to this profile."""
+        return lib.gqp_profile_attached(self.ptr)
+
+    @property
     def calls_dropped(self):
         return lib.gqp_profile_calls_dropped(self.ptr)
 
@@ -184,6 +189,13 @@ class RawTracer:
         _check(lib.gqp_py_attach(self.hooks, id(greenlet),
                                  profile.ptr if profile is not None
                                  else ffi.NULL), "attach")
+
+    def set_spawn_profile(self, greenlet, profile):
+        """Greenlets spawned by `greenlet` inherit `profile` from now on."""
+        _check(lib.gqp_tracer_set_spawn_profile(
+            self.ptr, id(greenlet),
+            profile.ptr if profile is not None else ffi.NULL),
+            "set_spawn_profile")
 
     def greenlet_id(self, greenlet):
         out = ffi.new("uint64_t *")

@@ -83,6 +83,7 @@ struct gqp_profile {
     uint32_t magic;
     _Atomic uint32_t refs; /* dropped by tracers and by the owner */
     uint64_t serial;      /* process-unique, for history comparisons */
+    _Atomic uint32_t attached; /* live greenlets routed here by tracers */
     bool closed;
     bool has_data;
     size_t max_name;

@@ -169,6 +169,11 @@ GQP_API int gqp_profile_is_closed(const gqp_profile *p)
     return p->closed ? 1 : 0;
 }
 
+GQP_API size_t gqp_profile_attached(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? atomic_load(&p->attached) : 0;
+}
+
 GQP_API int gqp_profile_clear(gqp_profile *p)
 {
     if (!gqp__profile_live(p)) {

@@ -22,6 +22,7 @@ typedef struct gqp__greenlet {
     uint64_t key;
     uint64_t id;
     gqp_profile *profile;   /* attachment (a reference), NULL = default */
+    gqp_profile *spawn;     /* what children inherit if not `profile` */
     int64_t span_start;     /* wall ns */
     int64_t span_cpu0;      /* estimated CPU clock at span start */
     int64_t cpu_total;      /* CPU of finished spans (greenlet clock base) */
@@ -40,6 +41,14 @@ typedef struct hist_entry {
 } hist_entry;
 
 #define TRACER_MAGIC 0x67717472u /* "gqtr" */
+/* Dead greenlets that had a profile, remembered so children that start
+ * after their spawner died can still inherit it. */
+#define TOMBS 256
+
+typedef struct tomb {
+    uint64_t key;
+    gqp_profile *profile;  /* a reference */
+} tomb;
 #define FREE_POOL_MAX 256
 
 struct gqp_tracer {
@@ -72,6 +81,9 @@ struct gqp_tracer {
     /* Readable from other threads (watchdogs) without touching entries. */
     _Atomic int64_t running_start;
     _Atomic uint64_t running_id;
+
+    tomb tombs[TOMBS];
+    size_t tomb_next;
 
     hist_entry *hist;
     size_t hist_cap, hist_len, hist_head;
@@ -130,10 +142,37 @@ GQP_API int gqp_tracer_new(gqp_tracer **out)
     return GQP_OK;
 }
 
+/* Points g's spans at p (may be NULL), keeping references and the
+ * profiles' attached counts right. */
+static void set_profile(gqp__greenlet *g, gqp_profile *p)
+{
+    if (p == g->profile) {
+        return;
+    }
+    if (p) {
+        gqp_profile_retain(p);
+        atomic_fetch_add(&p->attached, 1);
+    }
+    if (g->profile) {
+        atomic_fetch_sub(&g->profile->attached, 1);
+        gqp_profile_free(g->profile);
+    }
+    g->profile = p;
+}
+
+static void set_spawn(gqp__greenlet *g, gqp_profile *p)
+{
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    gqp_profile_free(g->spawn);
+    g->spawn = p;
+}
+
 static void greenlet_release(gqp__greenlet *g)
 {
-    gqp_profile_free(g->profile);
-    g->profile = NULL;
+    set_profile(g, NULL);
+    set_spawn(g, NULL);
     free(g->stack);
     gqp__map_free(&g->rec);
     free(g);
@@ -154,6 +193,9 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
         gqp__greenlet *n = t->pool->next_free;
         free(t->pool);
         t->pool = n;
+    }
+    for (size_t i = 0; i < TOMBS; i++) {
+        gqp_profile_free(t->tombs[i].profile);
     }
     gqp_profile_free(t->deflt);
     gqp_profile_free(t->last_profile);
@@ -362,6 +404,14 @@ static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
     *v = (uint64_t)(uintptr_t)g;
     g->key = key;
     g->id = gqp__next_greenlet_id();
+    /* The key is live again, so the dead greenlet it named is gone. */
+    for (size_t i = 0; i < TOMBS; i++) {
+        if (t->tombs[i].key == key) {
+            gqp_profile_free(t->tombs[i].profile);
+            t->tombs[i].key = 0;
+            t->tombs[i].profile = NULL;
+        }
+    }
     gqp__map_init(&g->rec);
     return g;
 }
@@ -376,11 +426,21 @@ static void reset_stack(gqp__greenlet *g, uint64_t serial)
 
 static void destroy(gqp_tracer *t, gqp__greenlet *g)
 {
+    gqp_profile *heir = g->spawn ? g->spawn : g->profile;
+    if (heir && !heir->closed) {
+        tomb *tb = &t->tombs[t->tomb_next];
+        t->tomb_next = (t->tomb_next + 1) % TOMBS;
+        gqp_profile_retain(heir);
+        gqp_profile_free(tb->profile);
+        tb->key = g->key;
+        tb->profile = heir;
+    }
     gqp__map_del(&t->gmap, g->key);
     if (t->cur == g) {
         t->cur = NULL;
     }
-    gqp_profile_free(g->profile);
+    set_profile(g, NULL);
+    set_spawn(g, NULL);
     free(g->stack);
     gqp__map_free(&g->rec);
     if (t->pool_len < FREE_POOL_MAX) {
@@ -398,8 +458,7 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
 static gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
 {
     if (g->profile && g->profile->closed) {
-        gqp_profile_free(g->profile);
-        g->profile = NULL;
+        set_profile(g, NULL);
     }
     gqp_profile *p = g->profile;
     if (!p && t->deflt && !t->deflt->closed) {
@@ -745,11 +804,8 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         ev = close_span(t, g, now, L, GQP_SPAN_SPLIT);
         start_span(t, g, now, L);
     }
-    if (p) {
-        gqp_profile_retain(p);
-    }
-    gqp_profile_free(g->profile);
-    g->profile = p;
+    set_profile(g, p);
+    set_spawn(g, NULL);
     gqp_profile *eff = effective(t, g);
     reset_stack(g, eff ? eff->serial : 0);
     return ev & GQP_EV_LONG_SPAN;
@@ -762,8 +818,17 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
         return GQP_EINVAL;
     }
     gqp__greenlet *pg = lookup(t, parent);
-    if (!pg) {
-        return GQP_ENOTFOUND;
+    gqp_profile *p = NULL;
+    if (pg) {
+        p = pg->spawn ? pg->spawn : pg->profile;
+    } else {
+        size_t i;
+        for (i = 0; i < TOMBS && t->tombs[i].key != parent; i++) {
+        }
+        if (i == TOMBS) {
+            return GQP_ENOTFOUND;
+        }
+        p = t->tombs[i].profile;
     }
     gqp__greenlet *cg = lookup(t, child);
     if (!cg) {
@@ -775,12 +840,28 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
     if (cg == pg) {
         return GQP_OK;
     }
-    gqp_profile *p = pg->profile && !pg->profile->closed ? pg->profile : NULL;
-    if (p) {
-        gqp_profile_retain(p);
+    if (p && p->closed) {
+        p = NULL;
     }
-    gqp_profile_free(cg->profile);
-    cg->profile = p;
+    set_profile(cg, p);
+    return GQP_OK;
+}
+
+GQP_API int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
+                                         gqp_profile *p)
+{
+    CHECK_TRACER(t);
+    if (greenlet == 0) {
+        return GQP_EINVAL;
+    }
+    if (p && !gqp__profile_live(p)) {
+        return GQP_EHANDLE;
+    }
+    gqp__greenlet *g = lookup(t, greenlet);
+    if (!g) {
+        return GQP_ENOTFOUND;
+    }
+    set_spawn(g, p);
     return GQP_OK;
 }
 

@@ -142,6 +142,8 @@ GQP_API void gqp_profile_free(gqp_profile *p);
  * returns GQP_ESTATE. */
 GQP_API int gqp_profile_close(gqp_profile *p);
 GQP_API int gqp_profile_is_closed(const gqp_profile *p);
+/* Number of live greenlets whose spans currently go to the profile. */
+GQP_API size_t gqp_profile_attached(const gqp_profile *p);
 /* Empties the profile's data (caps and open/closed state are kept). */
 GQP_API int gqp_profile_clear(gqp_profile *p);
 
@@ -286,8 +288,18 @@ GQP_API int gqp_tracer_return(gqp_tracer *t);
  * afresh: frames entered before are not charged to p. */
 GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
                               gqp_profile *p);
-/* Gives child the profile of parent (used when child is first seen). */
+/* Gives child the profile of parent (used when child is first seen): the
+ * parent's spawn profile when one is set, else its profile.  The parent may
+ * have died already: the last 256 dead greenlets that had a profile are
+ * remembered by key until the key is seen alive again (the caller must only
+ * pass a parent object that still exists, so its key is not reused). */
 GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent);
+/* Sets the profile that greenlets spawned by `greenlet` inherit, apart from
+ * where its own spans go (NULL: the same as its profile).  Lets a request's
+ * children started after the request greenlet was detached still join the
+ * request's profile.  Cleared by gqp_tracer_attach. */
+GQP_API int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
+                                         gqp_profile *p);
 /* The running greenlet: key, id and profile (any pointer may be NULL).
  * GQP_ENOTFOUND when no greenlet is running. */
 GQP_API int gqp_tracer_current(const gqp_tracer *t, uint64_t *key,

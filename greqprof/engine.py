@@ -1,0 +1,155 @@
+"""Per-thread tracing engine behind ProfilingMiddleware.
+
+Each OS thread that serves requests gets one tracer with the C hooks
+installed (lazily, on its first request).  Greenlets that are not part of a
+sampled request are attached to no profile: the hooks then only time their
+spans, which is what blocking detection needs.
+
+A watchdog OS thread (optional) looks at every engine's running span a few
+times per blocking threshold and, when one has held the loop too long,
+captures the stack that is running at that moment (like gevent's monitor
+thread), because the stack at switch-out time can be far from the code that
+blocked."""
+import os
+import threading
+
+from . import _lowlevel
+from ._lowlevel import RawTracer
+
+_engines = {}          # thread ident -> Engine
+_engines_lock = threading.Lock()
+_local = threading.local()
+_fork_generation = [0]
+
+
+def _after_fork_in_child():
+    # The child starts clean: the engines (and the open profiles they
+    # reference) belong to the parent's threads.  Hooks installed in the
+    # forking thread stay in place but go quiet until a new engine takes
+    # over (gqp_py_thread_start replaces a quiet state).
+    for eng in list(_engines.values()):
+        eng.abandon()
+    _engines.clear()
+    _local.__dict__.clear()
+    _fork_generation[0] += 1
+    Watchdog.instance = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Engine:
+    """The tracer of one thread plus the bookkeeping of its open requests."""
+
+    def __init__(self, config):
+        self.config = config
+        self.tracer = RawTracer(
+            cpu_mode=config.cpu_mode, call_clock=config.clock,
+            long_span_ns=config.blocking_ns, cpu_window_ns=100000)
+        self.tracer.set_default(None)
+        self.tracer.install(calls=config.calls, builtins=False, inherit=True,
+                            stacks=True)
+        self.thread_ident = threading.get_ident()
+        self.pid = os.getpid()
+        # greenlet id -> (method, path, request_id) of open requests
+        self.requests = {}
+        # profile address -> (method, path, request_id) of sampled requests
+        self.profile_requests = {}
+        self.drain_started = False
+        # greenlet id -> request whose profile waits for its children
+        self.lingering = {}
+        # (greenlet id, span start ns) -> stack seen by the watchdog
+        self.sampled_stacks = {}
+        self.generation = _fork_generation[0]
+        self.abandoned = False
+
+    def abandon(self):
+        self.abandoned = True
+
+    def stop(self):
+        self.tracer.uninstall()
+
+
+def engine_for_thread(config):
+    """The calling thread's engine, created on first use."""
+    eng = getattr(_local, "engine", None)
+    if eng is not None and not eng.abandoned:
+        return eng
+    eng = Engine(config)
+    _local.engine = eng
+    with _engines_lock:
+        _engines[eng.thread_ident] = eng
+    if config.watchdog and config.blocking_ns:
+        Watchdog.ensure(config.blocking_ns)
+    return eng
+
+
+def shutdown():
+    """Removes the hooks from the calling thread (tests, reconfiguration)."""
+    eng = getattr(_local, "engine", None)
+    if eng is not None:
+        eng.stop()
+        _local.engine = None
+        with _engines_lock:
+            _engines.pop(eng.thread_ident, None)
+
+
+def _real_thread_functions():
+    try:
+        from gevent import monkey
+        start = monkey.get_original("_thread", "start_new_thread")
+        sleep = monkey.get_original("time", "sleep")
+    except Exception:  # gevent missing or not patched: the real ones
+        import _thread
+        import time
+        start, sleep = _thread.start_new_thread, time.sleep
+    return start, sleep
+
+
+class Watchdog:
+    """An OS thread (never a greenlet, even under monkey-patching) that
+    samples the stack of a greenlet holding the loop too long."""
+
+    instance = None
+    MAX_STACKS = 256
+
+    def __init__(self, blocking_ns):
+        self.period = max(blocking_ns / 3.0, 5e6) * 1e-9
+        self.blocking_ns = blocking_ns
+        self.running = True
+
+    @classmethod
+    def ensure(cls, blocking_ns):
+        with _engines_lock:
+            if cls.instance is not None:
+                return
+            cls.instance = wd = cls(blocking_ns)
+        start, _ = _real_thread_functions()
+        start(wd._run, ())
+
+    def _run(self):
+        _, sleep = _real_thread_functions()
+        while self.running and Watchdog.instance is self:
+            sleep(self.period)
+            try:
+                self.check()
+            except Exception:
+                pass
+
+    def check(self):
+        now = _lowlevel.wall_ns()
+        for eng in list(_engines.values()):
+            run = eng.tracer.running_since()
+            if run is None:
+                continue
+            start, gid = run
+            key = (gid, start)
+            if now - start < self.blocking_ns or key in eng.sampled_stacks:
+                continue
+            stack = _lowlevel.capture_thread_stack(eng.thread_ident)
+            if stack is None:
+                continue
+            if len(eng.sampled_stacks) >= self.MAX_STACKS:
+                eng.sampled_stacks.pop(next(iter(eng.sampled_stacks)))
+            eng.sampled_stacks[key] = stack

@@ -1,0 +1,505 @@
+"""ProfilingMiddleware: per-request, greenlet-aware profiles for WSGI apps
+served by gevent, plus blocking alerts for every request."""
+import hmac
+import json
+import logging
+import os
+import random
+import socket
+import threading
+
+from . import _collect, _lowlevel, _registry
+from ._lowlevel import NS, RawProfile
+from .engine import engine_for_thread
+from .errors import ConfigError
+from .report import render_blocking
+from .request_profile import BlockingEvent, RequestProfile, WaitedOn, Waiting
+
+try:
+    from greenlet import getcurrent
+except ImportError:  # pragma: no cover - greenlet is a dependency
+    raise
+
+MAX_PATH = 2048
+MAX_REQUEST_ID = 200
+
+
+class _Config:
+    """Validated options shared by the middleware and its engines."""
+
+    def __init__(self, pct, calls, clock, blocking_ms, max_spans, stacks,
+                 watchdog, max_open):
+        if isinstance(pct, bool) or not isinstance(pct, (int, float)) \
+                or not 0.0 <= pct <= 1.0:
+            raise ConfigError("pct must be a number from 0.0 to 1.0, got %r"
+                              % (pct,))
+        if clock not in ("cpu", "wall"):
+            raise ConfigError("clock must be 'cpu' or 'wall', got %r"
+                              % (clock,))
+        if blocking_ms is not None and (
+                isinstance(blocking_ms, bool)
+                or not isinstance(blocking_ms, (int, float))
+                or blocking_ms <= 0):
+            raise ConfigError("blocking_ms must be a positive number of "
+                              "milliseconds or None, got %r" % (blocking_ms,))
+        for name, v in (("max_spans", max_spans), ("max_open", max_open)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError("%s must be a positive integer, got %r"
+                                  % (name, v))
+        self.pct = float(pct)
+        self.calls = bool(calls)
+        self.clock = clock
+        self.blocking_ns = int(blocking_ms * 1e6) if blocking_ms else 0
+        self.max_spans = max_spans
+        self.stacks = bool(stacks)
+        self.watchdog = bool(watchdog)
+        self.max_open = max_open
+        # Spans need CPU time for the report; the estimate reads the thread
+        # CPU clock at most every 100 us.
+        self.cpu_mode = "estimate"
+
+
+class _OpenRequest:
+    __slots__ = ("greenlet", "gid", "profile", "method", "path", "status",
+                 "start_ns", "end_ns", "request_id", "sampled_by", "error",
+                 "done")
+
+
+class ProfilingMiddleware:
+    """Wraps a WSGI app served by gevent.
+
+    :param pct: share of requests (0.0-1.0) that get a full profile.
+    :param calls: also collect function statistics for sampled requests.
+    :param clock: ``"cpu"`` or ``"wall"`` for function times.
+    :param blocking_ms: a span this long (wall milliseconds) is reported as
+        a blocking WARNING, for every request, sampled or not (None: off).
+    :param logger: logger name (or Logger) for reports.
+    :param sink: callable receiving each finished :class:`RequestProfile`.
+    :param json_logs: log one JSON line per profile / blocking event
+        instead of the text report (for log shippers).
+    :param max_spans: spans kept per request profile (more are counted).
+    :param stacks: capture stacks of blocking spans.
+    :param seed: seed of the sampling RNG (reproducible sampling), or
+    :param rng: a callable returning floats in [0, 1).
+    :param trigger_header: header name whose value, when equal to
+        ``trigger_secret`` (compared in constant time), profiles that one
+        request regardless of ``pct``.  Off unless both are given.
+    :param max_open: sampled profiles open at once; beyond it requests are
+        not sampled (counted in ``stats['skipped_full']``).
+    :param report: log the text/JSON report of sampled requests.
+    :param watchdog: run a watchdog thread that captures what a blocking
+        greenlet is running while it holds the loop.
+    :param linger: after the response ends, wait up to this many seconds
+        for greenlets the request spawned (joined or not) before the
+        profile is closed and reported; 0 reports at once (greenlets not
+        yet started are then missed).
+    """
+
+    def __init__(self, app, pct=0.05, *, calls=False, clock="cpu",
+                 blocking_ms=100, logger="greqprof", sink=None,
+                 json_logs=False, max_spans=1000, stacks=True, seed=None,
+                 rng=None, trigger_header=None, trigger_secret=None,
+                 max_open=64, report=True, watchdog=True, linger=1.0):
+        if not callable(app):
+            raise ConfigError("app must be a WSGI callable, got %r" % (app,))
+        self.app = app
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
+                or linger < 0:
+            raise ConfigError("linger must be a number of seconds >= 0, got "
+                              "%r" % (linger,))
+        self.linger = float(linger)
+        self.config = _Config(pct, calls, clock, blocking_ms, max_spans,
+                              stacks, watchdog, max_open)
+        if sink is not None and not callable(sink):
+            raise ConfigError("sink must be callable, got %r" % (sink,))
+        self.sink = sink
+        self.json_logs = bool(json_logs)
+        self.report = bool(report)
+        self.log = (logger if isinstance(logger, logging.Logger)
+                    else logging.getLogger(logger))
+        if rng is not None and not callable(rng):
+            raise ConfigError("rng must be a callable returning [0, 1)")
+        self._random = rng or random.Random(seed).random
+        if (trigger_header is None) != (trigger_secret is None):
+            raise ConfigError("trigger_header and trigger_secret must be "
+                              "given together")
+        if trigger_header is not None:
+            if not isinstance(trigger_header, str) or not trigger_header:
+                raise ConfigError("trigger_header must be a header name")
+            if not isinstance(trigger_secret, str) or len(trigger_secret) < 8:
+                raise ConfigError("trigger_secret must be a string of at "
+                                  "least 8 characters")
+            self._trigger_key = "HTTP_" + trigger_header.upper().replace(
+                "-", "_")
+            self._trigger_secret = trigger_secret.encode("utf-8")
+        else:
+            self._trigger_key = None
+            self._trigger_secret = None
+        self._open = 0
+        self._lock = threading.Lock()
+        self._errors_logged = set()
+        self.pid = os.getpid()
+        self.hostname = socket.gethostname()
+        self.stats = {"requests": 0, "sampled": 0, "skipped_full": 0,
+                      "blocking": 0, "errors": 0, "delivered": 0}
+
+    def __repr__(self):
+        # Never show the trigger secret.
+        return "<ProfilingMiddleware pct=%r calls=%r blocking_ms=%r>" % (
+            self.config.pct, self.config.calls,
+            self.config.blocking_ns / 1e6 or None)
+
+    # -- the WSGI entry point ---------------------------------------------
+    def __call__(self, environ, start_response):
+        self.stats["requests"] += 1
+        try:
+            req = self._begin(environ)
+        except Exception as e:  # greqprof must never break the app
+            self._internal_error("begin", e)
+            req = None
+        if req is None:
+            return self.app(environ, start_response)
+
+        def _start_response(status, headers, exc_info=None):
+            req.status = status
+            if exc_info is not None:
+                return start_response(status, headers, exc_info)
+            return start_response(status, headers)
+
+        try:
+            result = self.app(environ, _start_response)
+        except BaseException as e:
+            req.error = "%s: %s" % (type(e).__name__, e)
+            self._finish(req)
+            raise
+        return _ClosingIterator(result, self, req)
+
+    # -- per request ----------------------------------------------------------
+    def _sample(self, environ):
+        if self._trigger_key is not None:
+            value = environ.get(self._trigger_key)
+            if value is not None and hmac.compare_digest(
+                    value.encode("latin-1", "replace"),
+                    self._trigger_secret):
+                return "trigger"
+        pct = self.config.pct
+        if pct >= 1.0 or (pct > 0.0 and self._random() < pct):
+            return "pct"
+        return None
+
+    def _begin(self, environ):
+        cfg = self.config
+        sampled_by = self._sample(environ)
+        if sampled_by is None and not cfg.blocking_ns:
+            return None
+        eng = engine_for_thread(cfg)
+        g = getcurrent()
+        req = _OpenRequest()
+        req.greenlet = g
+        req.method = str(environ.get("REQUEST_METHOD", ""))[:32]
+        req.path = str(environ.get("PATH_INFO", ""))[:MAX_PATH]
+        rid = environ.get("HTTP_X_REQUEST_ID")
+        req.request_id = str(rid)[:MAX_REQUEST_ID] if rid else None
+        req.status = None
+        req.error = None
+        req.done = False
+        req.profile = None
+        req.sampled_by = sampled_by
+        req.gid = eng.tracer.greenlet_id(g)
+        if eng.lingering and req.gid in eng.lingering:
+            # The previous request on this connection is still waiting for
+            # its children: new children must not join it.
+            eng.tracer.set_spawn_profile(g, None)
+            del eng.lingering[req.gid]
+        if sampled_by is not None:
+            with self._lock:
+                if self._open >= cfg.max_open:
+                    self.stats["skipped_full"] += 1
+                    sampled_by = req.sampled_by = None
+                else:
+                    self._open += 1
+        if sampled_by is not None:
+            try:
+                req.profile = RawProfile(max_spans=cfg.max_spans,
+                                         keep="first")
+                eng.tracer.attach(g, req.profile)
+                self.stats["sampled"] += 1
+            except Exception as e:
+                with self._lock:
+                    self._open -= 1
+                req.profile = None
+                req.sampled_by = None
+                self._internal_error("open profile", e)
+        req.start_ns = _lowlevel.wall_ns()
+        info = (req.method, req.path, req.request_id)
+        if req.gid is not None:
+            eng.requests[req.gid] = info
+        if req.profile is not None:
+            eng.profile_requests[self._addr(req.profile)] = info
+        if cfg.blocking_ns and not eng.drain_started:
+            self._start_drain_loop(eng)
+        return req
+
+    def _finish(self, req):
+        """The response is done (closed, or the app raised)."""
+        if req.done:
+            return
+        req.done = True
+        try:
+            eng = engine_for_thread(self.config)
+            req.end_ns = _lowlevel.wall_ns()
+            g = req.greenlet
+            if req.profile is not None:
+                # Later spans of this greenlet (the next keep-alive request)
+                # are not this request's; greenlets it spawned still are.
+                eng.tracer.attach(g, None)
+                if self.linger > 0:
+                    eng.tracer.set_spawn_profile(g, req.profile)
+                    eng.lingering[req.gid] = req
+                    self._schedule_finalize(eng, req)
+                    return
+                self._finalize(eng, req)
+                return
+            if self.config.blocking_ns and req.gid is not None:
+                # Close a long-running span now so it is reported with this
+                # request's name.
+                run = eng.tracer.running_since()
+                if run is not None and run[1] == req.gid and \
+                        req.end_ns - run[0] >= self.config.blocking_ns:
+                    eng.tracer.attach(g, None)
+            self._drain_blocking(eng, None)
+            eng.requests.pop(req.gid, None)
+        except Exception as e:
+            self._internal_error("finish", e)
+        finally:
+            if req.profile is None:
+                req.greenlet = None
+
+    def _schedule_finalize(self, eng, req):
+        import gevent
+        # Spawned from the hub so the finishing greenlet belongs to no
+        # request; by the time it runs, children spawned just before the
+        # response ended have made their first switch and joined.
+        gevent.get_hub().loop.run_callback(
+            gevent.spawn, self._linger_then_finalize, eng, req)
+
+    def _linger_then_finalize(self, eng, req):
+        import gevent
+        deadline = req.end_ns + int(self.linger * 1e9)
+        try:
+            while req.profile.attached > 0 and \
+                    _lowlevel.wall_ns() < deadline:
+                gevent.sleep(0.005)
+        finally:
+            self._finalize(eng, req)
+
+    def _finalize(self, eng, req):
+        """Closes the profile, builds the RequestProfile and delivers it."""
+        try:
+            if eng.lingering.get(req.gid) is req:
+                del eng.lingering[req.gid]
+                if not req.greenlet.dead:
+                    eng.tracer.set_spawn_profile(req.greenlet, None)
+            req.profile.close()
+            with self._lock:
+                self._open -= 1
+            profile = self._build(eng, req, req.end_ns)
+            # Drain while the request is still registered, so its blocking
+            # spans are named after it.
+            blocking = self._drain_blocking(eng, req)
+            eng.requests.pop(req.gid, None)
+            eng.profile_requests.pop(self._addr(req.profile), None)
+            profile.blocking.extend(blocking)
+            self._deliver(profile)
+        except Exception as e:
+            self._internal_error("finish", e)
+        finally:
+            req.greenlet = None
+
+    def _build(self, eng, req, end_ns):
+        rp = req.profile
+        stacks = {}
+        raw_spans = rp.spans()
+        for s in raw_spans:
+            if s[5]:
+                text = _registry.stacks.pop(s[5], None)
+                if text is not None:
+                    stacks[s[5]] = text
+        names = _collect.greenlet_names([rp])
+        spans = [_collect.make_span(rp, s, names, stacks) for s in raw_spans]
+        longest = rp.longest("wall")
+        longest_span = (_collect.make_span(rp, longest, names, stacks)
+                        if longest else None)
+        cpu_total = 0
+        any_cpu = False
+        greenlets = _collect.greenlet_stats([rp])
+        for g in greenlets:
+            if g.cpu is not None:
+                any_cpu = True
+                cpu_total += g.cpu
+        for raw in raw_spans:
+            end_ns = max(end_ns, raw[2])
+        total, top, complete = eng.tracer.waited(rp, req.start_ns, end_ns)
+        waited = []
+        for gid, ns in top:
+            name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
+            waited.append(WaitedOn(greenlet_id=gid, name=name or "",
+                                   fn_name=fn or "", seconds=ns * NS))
+        calls = _collect.func_stats([rp]) if self.config.calls else None
+        return RequestProfile(
+            method=req.method, path=req.path, status=req.status,
+            start=rp.to_epoch(req.start_ns), end=rp.to_epoch(end_ns),
+            wall=(end_ns - req.start_ns) * NS,
+            cpu=cpu_total if any_cpu else None, spans=spans,
+            longest_span=longest_span,
+            waiting=Waiting(seconds=total * NS, top=tuple(waited),
+                            complete=complete),
+            calls=calls, dropped_spans=rp.spans_dropped,
+            dropped_calls=rp.calls_dropped, greenlets=greenlets,
+            clock=self.config.clock, sampled_by=req.sampled_by,
+            request_id=req.request_id, pid=os.getpid(),
+            hostname=self.hostname, error=req.error)
+
+    @staticmethod
+    def _addr(raw_profile):
+        return int(_lowlevel.ffi.cast("uintptr_t", raw_profile.ptr))
+
+    def _drain_loop(self, eng):
+        """Reports blocking spans of greenlets outside requests, once a
+        second (requests drain at their end)."""
+        import gevent
+        while not eng.abandoned:
+            gevent.sleep(1.0)
+            try:
+                self._drain_blocking(eng, None)
+            except Exception as e:
+                self._internal_error("drain", e)
+
+    def _start_drain_loop(self, eng):
+        eng.drain_started = True
+        try:
+            import gevent
+            # Spawned from the hub so it belongs to no request.
+            gevent.get_hub().loop.run_callback(
+                gevent.spawn, self._drain_loop, eng)
+        except Exception as e:
+            self._internal_error("drain", e)
+
+    def _drain_blocking(self, eng, req):
+        """Turns queued long-span records of this thread into blocking
+        events: logged as WARNINGs, and returned when they belong to the
+        request being finished."""
+        if not _registry.long_spans:
+            return []
+        mine = []
+        keep = []
+        for rec in _lowlevel.drain_long_spans():
+            (tid, gid, start, end, cpu, _flags, tag, paddr) = rec
+            if tid != eng.thread_ident:
+                keep.append(rec)
+                continue
+            ev = self._blocking_event(eng, rec)
+            self.stats["blocking"] += 1
+            self._log_blocking(ev)
+            if req is not None and req.profile is not None and \
+                    paddr == self._addr(req.profile):
+                mine.append(ev)
+        if keep:
+            _registry.long_spans.extend(keep)
+        return mine
+
+    def _blocking_event(self, eng, rec):
+        (tid, gid, start, end, cpu, _flags, tag, paddr) = rec
+        name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
+        stack = _registry.stacks.pop(tag, None) if tag else None
+        sampled = eng.sampled_stacks.pop((gid, start), None)
+        method = path = rid = None
+        info = eng.requests.get(gid)
+        if info is None and paddr:
+            info = self._open_request_info(eng, paddr)
+        if info is not None:
+            method, path, rid = info
+        origin_epoch = _lowlevel.lib.gqp_clock_epoch_ns() - _lowlevel.wall_ns()
+        return BlockingEvent(
+            greenlet_id=gid, greenlet_name=name or "", fn_name=fn or "",
+            start=(start + origin_epoch) * NS, end=(end + origin_epoch) * NS,
+            wall=(end - start) * NS, cpu=None if cpu < 0 else cpu * NS,
+            stack=stack, sampled_stack=sampled, method=method, path=path,
+            request_id=rid, pid=os.getpid(), hostname=self.hostname)
+
+    def _open_request_info(self, eng, paddr):
+        return eng.profile_requests.get(paddr)
+
+    # -- output -------------------------------------------------------------
+    def _log_blocking(self, ev):
+        try:
+            if self.json_logs:
+                self.log.warning(json.dumps(ev.to_dict()))
+            else:
+                self.log.warning(render_blocking(ev))
+        except Exception as e:
+            self._internal_error("logging", e)
+
+    def _deliver(self, profile):
+        if self.report:
+            try:
+                if self.json_logs:
+                    self.log.info(profile.to_json())
+                elif self.log.isEnabledFor(logging.INFO):
+                    self.log.info(profile.report())
+            except Exception as e:
+                self._internal_error("logging", e)
+        if self.sink is not None:
+            try:
+                self.sink(profile)
+            except Exception as e:
+                self._internal_error("sink", e)
+        self.stats["delivered"] += 1
+
+    def _internal_error(self, where, exc):
+        """Logs an internal failure once per place; never raises."""
+        self.stats["errors"] += 1
+        if where in self._errors_logged:
+            return
+        self._errors_logged.add(where)
+        try:
+            self.log.error("greqprof: %s failed (%s: %s); the request was not "
+                           "affected; further %s errors are counted in "
+                           "stats['errors']", where, type(exc).__name__, exc,
+                           where)
+        except Exception:
+            pass
+
+
+class _ClosingIterator:
+    """Passes the app's body through unbuffered and finishes the profile
+    when the server closes it; the app's close() is always called."""
+
+    __slots__ = ("_it", "_result", "_mw", "_req")
+
+    def __init__(self, result, mw, req):
+        self._result = result
+        self._it = iter(result)
+        self._mw = mw
+        self._req = req
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            if self._req.error is None:
+                self._req.error = "%s: %s" % (type(e).__name__, e)
+            raise
+
+    def close(self):
+        try:
+            close = getattr(self._result, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._mw._finish(self._req)

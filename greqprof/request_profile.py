@@ -1,0 +1,204 @@
+"""RequestProfile: the data of one profiled request (no rendering here).
+
+Everything is plain data with a stable ``to_dict()`` form and ``from_dict``
+/ ``load`` to read a saved profile back, so renderers can work on profiles
+produced elsewhere.
+"""
+import json
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
+
+from .stats import ChildStat, FuncStat, GreenletStat, Span
+
+SCHEMA = "greqprof.request_profile/1"
+
+
+@dataclass(frozen=True)
+class WaitedOn:
+    """A greenlet that ran while the request waited (seconds)."""
+    greenlet_id: int
+    name: str
+    fn_name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Time the request was open while none of its greenlets ran.
+
+    ``complete`` is False when the tracer's span history did not reach back
+    to the request's start (``seconds`` is then a lower bound for the top
+    list; the total is always exact)."""
+    seconds: float
+    top: Tuple[WaitedOn, ...] = ()
+    complete: bool = True
+
+
+@dataclass(frozen=True)
+class BlockingEvent:
+    """A span that held the event loop for at least the blocking threshold.
+
+    ``stack`` is where the greenlet switched out (None when it finished);
+    ``sampled_stack`` is what a watchdog saw running while the loop was
+    held, when it caught it."""
+    greenlet_id: int
+    greenlet_name: str
+    fn_name: str
+    start: float
+    end: float
+    wall: float
+    cpu: Optional[float]
+    stack: Optional[str] = None
+    sampled_stack: Optional[str] = None
+    method: Optional[str] = None
+    path: Optional[str] = None
+    request_id: Optional[str] = None
+    pid: int = 0
+    hostname: str = ""
+
+    def to_dict(self):
+        d = asdict(self)
+        d["schema"] = "greqprof.blocking/1"
+        return d
+
+
+@dataclass
+class RequestProfile:
+    """Where one request's time went.
+
+    Times are seconds; ``start``/``end`` seconds since the epoch.  ``cpu``
+    is the CPU time of the request's own greenlets (the one that ran the
+    request and every greenlet it spawned, transitively); ``waiting`` the
+    time it was open while other greenlets ran."""
+    method: str
+    path: str
+    status: Optional[str]
+    start: float
+    end: float
+    wall: float
+    cpu: Optional[float]
+    spans: List[Span]
+    longest_span: Optional[Span]
+    waiting: Waiting
+    calls: Optional[List[FuncStat]]
+    dropped_spans: int = 0
+    dropped_calls: int = 0
+    greenlets: List[GreenletStat] = field(default_factory=list)
+    blocking: List[BlockingEvent] = field(default_factory=list)
+    clock: str = "cpu"
+    sampled_by: str = "pct"
+    request_id: Optional[str] = None
+    pid: int = 0
+    hostname: str = ""
+    error: Optional[str] = None
+
+    @property
+    def longest_cpu_span(self):
+        spans = [s for s in self.spans if s.cpu is not None]
+        return max(spans, key=lambda s: s.cpu) if spans else self.longest_span
+
+    @property
+    def blocked(self):
+        return bool(self.blocking)
+
+    # -- serialisation ---------------------------------------------------
+    def to_dict(self):
+        """JSON-ready dict with stable keys (see docs/schema.md)."""
+        return {
+            "schema": SCHEMA,
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "start": self.start,
+            "end": self.end,
+            "wall": self.wall,
+            "cpu": self.cpu,
+            "clock": self.clock,
+            "sampled_by": self.sampled_by,
+            "request_id": self.request_id,
+            "pid": self.pid,
+            "hostname": self.hostname,
+            "error": self.error,
+            "dropped_spans": self.dropped_spans,
+            "dropped_calls": self.dropped_calls,
+            "spans": [s.to_dict() for s in self.spans],
+            "longest_span": (self.longest_span.to_dict()
+                             if self.longest_span else None),
+            "waiting": {
+                "seconds": self.waiting.seconds,
+                "complete": self.waiting.complete,
+                "top": [asdict(w) for w in self.waiting.top],
+            },
+            "greenlets": [g.to_dict() for g in self.greenlets],
+            "blocking": [b.to_dict() for b in self.blocking],
+            "calls": ([f.to_dict() for f in self.calls]
+                      if self.calls is not None else None),
+        }
+
+    def to_json(self, **kw):
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d):
+        """Rebuilds a profile from ``to_dict()`` output."""
+        if not isinstance(d, dict):
+            raise ValueError("a RequestProfile dict is expected, got %s"
+                             % type(d).__name__)
+        schema = d.get("schema")
+        if schema != SCHEMA:
+            raise ValueError("unsupported profile schema %r (expected %r)"
+                             % (schema, SCHEMA))
+
+        def span(x):
+            return Span(**x) if x is not None else None
+
+        def func(x):
+            x = dict(x)
+            x.pop("tavg", None)
+            x["children"] = tuple(ChildStat(**c) for c in x.get("children", ()))
+            return FuncStat(**x)
+
+        def blocking(x):
+            x = dict(x)
+            x.pop("schema", None)
+            return BlockingEvent(**x)
+
+        w = d.get("waiting") or {}
+        try:
+            return cls(
+                method=d["method"], path=d["path"], status=d.get("status"),
+                start=d["start"], end=d["end"], wall=d["wall"],
+                cpu=d.get("cpu"),
+                spans=[span(s) for s in d.get("spans", [])],
+                longest_span=span(d.get("longest_span")),
+                waiting=Waiting(seconds=w.get("seconds", 0.0),
+                                complete=w.get("complete", True),
+                                top=tuple(WaitedOn(**t)
+                                          for t in w.get("top", []))),
+                calls=([func(f) for f in d["calls"]]
+                       if d.get("calls") is not None else None),
+                dropped_spans=d.get("dropped_spans", 0),
+                dropped_calls=d.get("dropped_calls", 0),
+                greenlets=[GreenletStat(**g) for g in d.get("greenlets", [])],
+                blocking=[blocking(b) for b in d.get("blocking", [])],
+                clock=d.get("clock", "cpu"),
+                sampled_by=d.get("sampled_by", "pct"),
+                request_id=d.get("request_id"),
+                pid=d.get("pid", 0), hostname=d.get("hostname", ""),
+                error=d.get("error"))
+        except (KeyError, TypeError) as e:
+            raise ValueError("malformed RequestProfile dict: %s" % e) from e
+
+    def save(self, path):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f)
+
+    @classmethod
+    def load(cls, path):
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def report(self, **kw):
+        """The text report (``>>> Begin RequestProfile`` ...)."""
+        from .report import render_text
+        return render_text(self, **kw)
