@@ -24,7 +24,7 @@ CFLAGS_COMMON := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Ilibgreqprof/includ
 CFLAGS  ?= -O2 -g
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest test demo bench clean
+.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest test demo bench clean
 
 all: lib
 
@@ -60,6 +60,16 @@ $(B)/fuzz_api: $(LIB_SRCS) $(FUZZ_SRC) $(LIB_HDRS)
 	@mkdir -p $(B)
 	$(CLANG) $(CFLAGS_COMMON) -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -o $@ $(LIB_SRCS) $(FUZZ_SRC)
 
+# ThreadSanitizer: the functions greqprof.h documents as thread-safe, used
+# from several threads at once (libgreqprof/tests/tsan/).
+TSAN_SRCS := $(wildcard libgreqprof/tests/tsan/*.c)
+$(B)/tsan_tests: $(LIB_SRCS) $(TSAN_SRCS) $(LIB_HDRS)
+	@mkdir -p $(B)
+	$(CLANG) $(CFLAGS_COMMON) -O1 -g -fsanitize=thread -o $@ $(LIB_SRCS) $(TSAN_SRCS) -lpthread
+
+tsan: $(B)/tsan_tests
+	TSAN_OPTIONS=halt_on_error=1 $(B)/tsan_tests
+
 ctest: $(B)/run_tests lib
 	$(B)/run_tests
 
@@ -94,7 +104,7 @@ venv: $(VPY)
 pytest: venv
 	$(VPY) -m pytest -q -p no:cacheprovider
 
-test: ctest ctest-asan valgrind fuzz pytest
+test: ctest ctest-asan valgrind tsan fuzz pytest
 
 demo: venv
 	$(VPY) examples/demo.py

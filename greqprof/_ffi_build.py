@@ -9,7 +9,7 @@ from cffi import FFI
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LIB = os.path.join(ROOT, "libgreqprof")
-LIB_SOURCES = ["calls.c", "clock.c", "error.c", "map.c", "profile.c",
+LIB_SOURCES = ["alloc.c", "calls.c", "clock.c", "error.c", "map.c", "profile.c",
                "spans.c", "tracer.c"]
 
 CDEF = """
@@ -25,6 +25,7 @@ CDEF = """
 #define GQP_SPAN_FINISHED ...
 #define GQP_SPAN_SPLIT ...
 #define GQP_SPAN_LONG ...
+#define GQP_SPAN_CONTINUED ...
 #define GQP_KEEP_FIRST ...
 #define GQP_KEEP_LAST ...
 #define GQP_CPU_OFF ...
@@ -119,6 +120,8 @@ int gqp_py_thread_is_current(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);
 int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);
+int gqp_py_inject_alloc_failures(long after, long count);
+long gqp_py_alloc_failures_left(void);
 size_t gqp_py_read_spans(gqp_profile *p, gqp_span *out, size_t n);
 size_t gqp_py_read_funcs(gqp_profile *p, gqp_func_stat *out, size_t n);
 size_t gqp_py_read_edges(gqp_profile *p, gqp_edge_stat *out, size_t n);

@@ -269,3 +269,14 @@ def func_info(key):
     qual = getattr(obj, "co_qualname", obj.co_name)
     return (obj.co_name, qual, module_of(obj.co_filename), obj.co_filename,
             obj.co_firstlineno)
+
+
+def inject_alloc_failures(after=0, count=1):
+    """Tests only: after `after` successful allocations, the next `count`
+    allocations inside libgreqprof fail (count=0 turns this off)."""
+    _check(lib.gqp_py_inject_alloc_failures(after, count),
+           "inject_alloc_failures")
+
+
+def alloc_failures_left():
+    return lib.gqp_py_alloc_failures_left()

@@ -19,8 +19,8 @@ void gqp__calls_free(gqp__calls *c)
 {
     gqp__map_free(&c->func_index);
     gqp__map_free(&c->edge_index);
-    free(c->funcs);
-    free(c->edges);
+    gqp__free(c->funcs);
+    gqp__free(c->edges);
     c->funcs = NULL;
     c->edges = NULL;
     c->nfuncs = c->nedges = c->funcs_alloc = c->edges_alloc = 0;
@@ -44,7 +44,7 @@ static bool grow(void **buf, size_t *alloc, size_t need, size_t elem)
     while (n < need) {
         n *= 2;
     }
-    void *nb = realloc(*buf, n * elem);
+    void *nb = gqp__realloc(*buf, n * elem);
     if (!nb) {
         return false;
     }

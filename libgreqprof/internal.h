@@ -11,6 +11,12 @@
 
 #define GQP__HIDDEN __attribute__((visibility("hidden")))
 
+/* ---- memory (alloc.c): every allocation goes through these ---------- */
+GQP__HIDDEN void *gqp__malloc(size_t n);
+GQP__HIDDEN void *gqp__calloc(size_t count, size_t size);
+GQP__HIDDEN void *gqp__realloc(void *p, size_t n);
+GQP__HIDDEN void gqp__free(void *p);
+
 /* ---- u64 -> u64 open-addressing map (map.c) -------------------------- */
 /* Key 0 means "empty", so callers must never insert 0. */
 typedef struct gqp__map {

@@ -19,8 +19,8 @@ void gqp__map_init(gqp__map *m)
 
 void gqp__map_free(gqp__map *m)
 {
-    free(m->keys);
-    free(m->vals);
+    gqp__free(m->keys);
+    gqp__free(m->vals);
     gqp__map_init(m);
 }
 
@@ -51,11 +51,11 @@ uint64_t *gqp__map_get(const gqp__map *m, uint64_t key)
 static bool grow(gqp__map *m)
 {
     size_t ncap = m->cap ? m->cap * 2 : 16;
-    uint64_t *nk = calloc(ncap, sizeof *nk);
-    uint64_t *nv = malloc(ncap * sizeof *nv);
+    uint64_t *nk = gqp__calloc(ncap, sizeof *nk);
+    uint64_t *nv = gqp__malloc(ncap * sizeof *nv);
     if (!nk || !nv) {
-        free(nk);
-        free(nv);
+        gqp__free(nk);
+        gqp__free(nv);
         return false;
     }
     size_t mask = ncap - 1;
@@ -69,8 +69,8 @@ static bool grow(gqp__map *m)
             nv[j] = m->vals[i];
         }
     }
-    free(m->keys);
-    free(m->vals);
+    gqp__free(m->keys);
+    gqp__free(m->vals);
     m->keys = nk;
     m->vals = nv;
     m->cap = ncap;

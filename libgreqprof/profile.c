@@ -30,7 +30,7 @@ GQP_API int gqp_profile_new(gqp_profile **out)
         return GQP_EINVAL;
     }
     *out = NULL;
-    gqp_profile *p = calloc(1, sizeof *p);
+    gqp_profile *p = gqp__calloc(1, sizeof *p);
     if (!p) {
         return GQP_ENOMEM;
     }
@@ -126,8 +126,8 @@ GQP_API int gqp_profile_retain(gqp_profile *p)
 static void free_gstats(gqp_profile *p)
 {
     for (size_t i = 0; i < p->ngstats; i++) {
-        free(p->gstats[i].name);
-        free(p->gstats[i].fn_name);
+        gqp__free(p->gstats[i].name);
+        gqp__free(p->gstats[i].fn_name);
     }
     p->ngstats = 0;
 }
@@ -143,10 +143,10 @@ GQP_API void gqp_profile_free(gqp_profile *p)
     gqp__spans_free(&p->spans);
     gqp__calls_free(&p->calls);
     free_gstats(p);
-    free(p->gstats);
+    gqp__free(p->gstats);
     gqp__map_free(&p->gindex);
     p->magic = GQP__DEAD_MAGIC;
-    free(p);
+    gqp__free(p);
 }
 
 GQP_API int gqp_profile_close(gqp_profile *p)
@@ -207,8 +207,8 @@ size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s)
         if (s->cpu_ns >= 0) {
             st->cpu_ns = (st->cpu_ns < 0 ? 0 : st->cpu_ns) + s->cpu_ns;
         }
-        /* A split span is a continuation of the same run. */
-        if (!(s->flags & GQP_SPAN_SPLIT) || st->switches == 0) {
+        /* A span begun by a split continues the same run. */
+        if (!(s->flags & GQP_SPAN_CONTINUED) || st->switches == 0) {
             st->switches++;
         }
         st->last_ns = s->end_ns;
@@ -311,7 +311,7 @@ gqp__gstat *gqp__profile_gstat(gqp_profile *p, uint64_t id)
     }
     if (p->ngstats == p->gstats_alloc) {
         size_t n = p->gstats_alloc ? p->gstats_alloc * 2 : 16;
-        gqp__gstat *ng = realloc(p->gstats, n * sizeof *ng);
+        gqp__gstat *ng = gqp__realloc(p->gstats, n * sizeof *ng);
         if (!ng) {
             return NULL;
         }
@@ -369,13 +369,13 @@ static int set_name(char **slot, const char *s, size_t max)
     if (n > max) {
         n = max;
     }
-    char *c = malloc(n + 1);
+    char *c = gqp__malloc(n + 1);
     if (!c) {
         return GQP_ENOMEM;
     }
     memcpy(c, s, n);
     c[n] = '\0';
-    free(*slot);
+    gqp__free(*slot);
     *slot = c;
     return GQP_OK;
 }

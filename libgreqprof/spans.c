@@ -17,7 +17,7 @@ void gqp__spans_init(gqp__spans *s, size_t cap, int policy)
 
 void gqp__spans_free(gqp__spans *s)
 {
-    free(s->buf);
+    gqp__free(s->buf);
     s->buf = NULL;
     s->alloc = 0;
     gqp__spans_clear(s);
@@ -57,7 +57,7 @@ static bool reserve(gqp__spans *s)
     if (n > s->cap) {
         n = s->cap;
     }
-    gqp_span *nb = realloc(s->buf, n * sizeof *nb);
+    gqp_span *nb = gqp__realloc(s->buf, n * sizeof *nb);
     if (!nb) {
         return false;
     }

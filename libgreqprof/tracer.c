@@ -30,6 +30,7 @@ typedef struct gqp__greenlet {
     frame *stack;
     uint32_t depth, alloc;
     uint32_t lost;          /* frames above max_depth, not stored */
+    bool continued;         /* the running span began at a split */
     gqp__map rec;           /* active count per func / edge (recursion) */
     struct gqp__greenlet *next_free;
 } gqp__greenlet;
@@ -119,7 +120,7 @@ GQP_API int gqp_tracer_new(gqp_tracer **out)
         return GQP_EINVAL;
     }
     *out = NULL;
-    gqp_tracer *t = calloc(1, sizeof *t);
+    gqp_tracer *t = gqp__calloc(1, sizeof *t);
     if (!t) {
         return GQP_ENOMEM;
     }
@@ -132,9 +133,9 @@ GQP_API int gqp_tracer_new(gqp_tracer **out)
     t->wall_fn = real_wall;
     t->cpu_fn = real_cpu;
     t->hist_cap = 4096;
-    t->hist = malloc(t->hist_cap * sizeof *t->hist);
+    t->hist = gqp__malloc(t->hist_cap * sizeof *t->hist);
     if (!t->hist) {
-        free(t);
+        gqp__free(t);
         return GQP_ENOMEM;
     }
     gqp__map_init(&t->gmap);
@@ -173,9 +174,9 @@ static void greenlet_release(gqp__greenlet *g)
 {
     set_profile(g, NULL);
     set_spawn(g, NULL);
-    free(g->stack);
+    gqp__free(g->stack);
     gqp__map_free(&g->rec);
-    free(g);
+    gqp__free(g);
 }
 
 GQP_API void gqp_tracer_free(gqp_tracer *t)
@@ -191,7 +192,7 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
     gqp__map_free(&t->gmap);
     while (t->pool) {
         gqp__greenlet *n = t->pool->next_free;
-        free(t->pool);
+        gqp__free(t->pool);
         t->pool = n;
     }
     for (size_t i = 0; i < TOMBS; i++) {
@@ -199,9 +200,9 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
     }
     gqp_profile_free(t->deflt);
     gqp_profile_free(t->last_profile);
-    free(t->hist);
+    gqp__free(t->hist);
     t->magic = 0;
-    free(t);
+    gqp__free(t);
 }
 
 GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
@@ -246,10 +247,10 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         if (value < 0 || value > (1 << 24)) return GQP_ERANGE;
         hist_entry *h = NULL;
         if (value > 0) {
-            h = malloc((size_t)value * sizeof *h);
+            h = gqp__malloc((size_t)value * sizeof *h);
             if (!h) return GQP_ENOMEM;
         }
-        free(t->hist);
+        gqp__free(t->hist);
         t->hist = h;
         t->hist_cap = (size_t)value;
         t->hist_len = t->hist_head = 0;
@@ -389,7 +390,7 @@ static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
         t->pool = g->next_free;
         t->pool_len--;
     } else {
-        g = malloc(sizeof *g);
+        g = gqp__malloc(sizeof *g);
         if (!g) {
             return NULL;
         }
@@ -398,7 +399,7 @@ static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
     bool added;
     uint64_t *v = gqp__map_put(&t->gmap, key, &added);
     if (!v) {
-        free(g);
+        gqp__free(g);
         return NULL;
     }
     *v = (uint64_t)(uintptr_t)g;
@@ -441,14 +442,14 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
     }
     set_profile(g, NULL);
     set_spawn(g, NULL);
-    free(g->stack);
+    gqp__free(g->stack);
     gqp__map_free(&g->rec);
     if (t->pool_len < FREE_POOL_MAX) {
         g->next_free = t->pool;
         t->pool = g;
         t->pool_len++;
     } else {
-        free(g);
+        gqp__free(g);
     }
 }
 
@@ -505,7 +506,8 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
         run = 0;
     }
     s.cpu_ns = t->cpu_mode == GQP_CPU_OFF ? -1 : run;
-    s.flags = flags;
+    s.flags = flags | (g->continued ? GQP_SPAN_CONTINUED : 0);
+    g->continued = false;
     s.tag = 0;
     g->cpu_total += run;
     if (t->long_ns > 0 && s.end_ns - s.start_ns >= t->long_ns) {
@@ -537,6 +539,7 @@ static void start_span(gqp_tracer *t, gqp__greenlet *g, int64_t now,
 {
     g->span_start = now;
     g->span_cpu0 = L;
+    g->continued = false;
     t->cur = g;
     atomic_store_explicit(&t->running_start, now, memory_order_relaxed);
     atomic_store_explicit(&t->running_id, g->id, memory_order_relaxed);
@@ -603,7 +606,7 @@ static bool push_frame(gqp__greenlet *g, uint32_t func, uint32_t edge,
 {
     if (g->depth == g->alloc) {
         uint32_t n = g->alloc ? g->alloc * 2 : 16;
-        frame *ns = realloc(g->stack, n * sizeof *ns);
+        frame *ns = gqp__realloc(g->stack, n * sizeof *ns);
         if (!ns) {
             return false;
         }
@@ -674,7 +677,10 @@ GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
                                        : GQP__NOIDX;
             if (caller != GQP__NOIDX) {
                 edge = gqp__calls_edge(&p->calls, caller, idx);
-                if (edge != GQP__NOIDX) {
+                if (edge == GQP__NOIDX) {
+                    p->calls.dropped++;
+                    ev |= GQP_EV_DROPPED;
+                } else {
                     uint64_t *ec = gqp__map_put(&g->rec, edge_rkey(edge),
                                                 &fresh);
                     if (ec) {
@@ -803,6 +809,7 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         }
         ev = close_span(t, g, now, L, GQP_SPAN_SPLIT);
         start_span(t, g, now, L);
+        g->continued = true;
     }
     set_profile(g, p);
     set_spawn(g, NULL);
@@ -906,10 +913,13 @@ GQP_API int gqp_tracer_last_span(const gqp_tracer *t, gqp_span *out,
                                  gqp_profile **profile, size_t *index)
 {
     CHECK_TRACER(t);
+    if (!out) {
+        return GQP_EINVAL;
+    }
     if (!t->have_last) {
         return GQP_ENOTFOUND;
     }
-    if (out) *out = t->last;
+    *out = t->last;
     if (profile) *profile = t->last_profile;
     if (index) *index = t->last_index;
     return GQP_OK;

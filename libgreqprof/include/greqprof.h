@@ -83,6 +83,21 @@ GQP_API const char *gqp_strerror(int code);
 /* The code's name, e.g. "GQP_ENOMEM". */
 GQP_API const char *gqp_err_name(int code);
 
+/* ---- memory ----------------------------------------------------------- */
+/* Where the library gets memory.  Process-wide; set it before creating any
+ * object (objects must be freed with the allocator that made them).  NULL
+ * restores malloc/realloc/free.  Used for embedding and for injecting
+ * allocation failures in tests.  Not thread-safe against concurrent use of
+ * the library. */
+typedef struct gqp_allocator {
+    void *(*malloc_fn)(void *ctx, size_t size);
+    void *(*realloc_fn)(void *ctx, void *ptr, size_t size);
+    void (*free_fn)(void *ctx, void *ptr);
+    void *ctx;
+} gqp_allocator;
+
+GQP_API int gqp_set_allocator(const gqp_allocator *a);
+
 /* ---- clocks (nanoseconds) -------------------------------------------- */
 /* Monotonic wall clock; cheap (vDSO on Linux). */
 GQP_API int64_t gqp_clock_wall_ns(void);
@@ -110,6 +125,8 @@ typedef struct gqp_span {
 #define GQP_SPAN_FINISHED 0x1u /* the greenlet ended at the end of the span  */
 #define GQP_SPAN_SPLIT 0x2u    /* ended by attach/detach/flush, not a switch */
 #define GQP_SPAN_LONG 0x4u     /* wall >= the tracer's long-span threshold   */
+#define GQP_SPAN_CONTINUED 0x8u /* began at a split, not at a switch: the
+                                   same run as the span before it          */
 
 /* ---- profiles --------------------------------------------------------- */
 typedef struct gqp_profile gqp_profile;
@@ -307,8 +324,9 @@ GQP_API int gqp_tracer_current(const gqp_tracer *t, uint64_t *key,
 /* Id of a live greenlet by key. */
 GQP_API int gqp_tracer_greenlet_id(const gqp_tracer *t, uint64_t key,
                                    uint64_t *id);
-/* The span closed by the last switch/attach, with the profile it went to
- * (may be NULL) and its index there (SIZE_MAX when not kept). */
+/* The span closed by the last switch/attach (out is required), with the
+ * profile it went to (may be NULL) and its index there (SIZE_MAX when not
+ * kept); profile and index may be NULL. */
 GQP_API int gqp_tracer_last_span(const gqp_tracer *t, gqp_span *out,
                                  gqp_profile **profile, size_t *index);
 /* Start of the running greenlet's current span (wall ns) and its id. */
