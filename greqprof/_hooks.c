@@ -28,12 +28,29 @@ typedef struct gqp_py_thread {
     int stacks;                /* capture a stack for long spans */
     int profile_installed;
     PyObject *trace_fn;        /* our callable given to greenlet.settrace */
+    PyObject *ref;             /* hookref pointing back here */
     PyObject *prev_trace;      /* what greenlet.settrace returned */
     Py_tracefunc prev_prof;    /* the thread's previous profile function */
     PyObject *prev_prof_obj;
 } gqp_py_thread;
 
+/* The calling thread's state, for install/uninstall.  The hooks themselves
+ * get their state from their `self`/`obj` argument (a hookref), which is
+ * cheaper than a thread-local in a shared object. */
 static _Thread_local gqp_py_thread *gqp__tls;
+
+typedef struct {
+    PyObject_HEAD
+    gqp_py_thread *st;
+} gqp_hookref;
+
+static PyTypeObject gqp_hookref_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "greqprof._core.hookref",
+    .tp_basicsize = sizeof(gqp_hookref),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "greqprof hook state (internal)",
+};
 
 /* Fetched from greqprof._registry by gqp_py_init. */
 static PyObject *reg_codes;     /* func key -> code object | C-func info */
@@ -94,6 +111,11 @@ static int gqp_py_init(void)
     Py_XDECREF(gtype);
     Py_DECREF(reg);
     Py_DECREF(gm);
+    if (PyType_Ready(&gqp_hookref_type) < 0) {
+        PyErr_Clear();
+        Py_CLEAR(reg_codes);
+        goto out;
+    }
     if (greenlet_settrace && reg_codes && reg_stacks && reg_long && reg_names &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
@@ -364,8 +386,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 
 static PyObject *gqp__trace(PyObject *self, PyObject *args)
 {
-    (void)self;
-    gqp_py_thread *st = gqp__tls;
+    gqp_py_thread *st = ((gqp_hookref *)self)->st;
     PyObject *pair;
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2 ||
         !PyTuple_Check(pair = PyTuple_GET_ITEM(args, 1)) ||
@@ -440,7 +461,7 @@ static void register_cfunc(uint64_t key, PyCFunctionObject *fn)
 static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
                         PyObject *arg)
 {
-    gqp_py_thread *st = gqp__tls;
+    gqp_py_thread *st = ((gqp_hookref *)obj)->st;
     if (st && st->active && st->calls) {
         switch (what) {
         case PyTrace_CALL: {
@@ -479,7 +500,6 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
     if (st && st->prev_prof) {
         return st->prev_prof(st->prev_prof_obj, frame, what, arg);
     }
-    (void)obj;
     return 0;
 }
 
@@ -517,7 +537,9 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         gqp__tls = NULL;
         if (!old->tracer) {
             /* Its owner already let go of it (gqp_py_thread_free). */
+            ((gqp_hookref *)old->ref)->st = NULL;
             Py_XDECREF(old->trace_fn);
+            Py_XDECREF(old->ref);
             Py_XDECREF(old->prev_trace);
             Py_XDECREF(old->prev_prof_obj);
             free(old);
@@ -540,13 +562,24 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
     st->builtins = !!(flags & GQP_PY_BUILTINS);
     st->inherit = !!(flags & GQP_PY_INHERIT);
     st->stacks = !!(flags & GQP_PY_STACKS);
-    st->trace_fn = PyCFunction_New(&gqp__trace_def, NULL);
+    gqp_hookref *ref = PyObject_New(gqp_hookref, &gqp_hookref_type);
+    if (!ref) {
+        PyErr_Clear();
+        free(st);
+        st = NULL;
+        *err = -3;
+        goto out;
+    }
+    ref->st = st;
+    st->ref = (PyObject *)ref;
+    st->trace_fn = PyCFunction_New(&gqp__trace_def, st->ref);
     PyObject *prev = st->trace_fn
         ? PyObject_CallFunctionObjArgs(greenlet_settrace, st->trace_fn, NULL)
         : NULL;
     if (!prev) {
         PyErr_Clear();
         Py_XDECREF(st->trace_fn);
+        Py_XDECREF(st->ref);
         free(st);
         st = NULL;
         *err = -4;
@@ -580,7 +613,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         st->prev_prof = ts->c_profilefunc;
         st->prev_prof_obj = ts->c_profileobj;
         Py_XINCREF(st->prev_prof_obj);
-        PyEval_SetProfile(gqp__profile, NULL);
+        PyEval_SetProfile(gqp__profile, st->ref);
         st->profile_installed = 1;
     }
 out:
@@ -641,7 +674,9 @@ static void gqp_py_thread_free(gqp_py_thread *st)
         st->active = 0;
         st->tracer = NULL;
     } else {
+        ((gqp_hookref *)st->ref)->st = NULL;
         Py_XDECREF(st->trace_fn);
+        Py_XDECREF(st->ref);
         Py_XDECREF(st->prev_trace);
         Py_XDECREF(st->prev_prof_obj);
         free(st);

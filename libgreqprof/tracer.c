@@ -523,11 +523,14 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
         }
     }
     history_push(t, &s, p ? p->serial : 0);
-    if (p) {
-        gqp_profile_retain(p);
+    if (p != t->last_profile) {
+        /* Switches mostly stay within one profile: skip the atomics. */
+        if (p) {
+            gqp_profile_retain(p);
+        }
+        gqp_profile_free(t->last_profile);
+        t->last_profile = p;
     }
-    gqp_profile_free(t->last_profile);
-    t->last_profile = p;
     t->last = s;
     t->last_index = idx;
     t->have_last = true;
