@@ -62,6 +62,8 @@ static getter dead_getter;
 static getter frame_getter;
 static getter parent_getter;
 static uint32_t next_tag = 1;
+static PyObject *own_dir;       /* greqprof's package dir: its frames are
+                                   left out of captured stacks */
 
 #define GQP_PY_MAX_LONG 1024
 #define GQP_PY_MAX_STACKS 20000
@@ -97,6 +99,16 @@ static int gqp_py_init(void)
         PyErr_Clear();
         goto out;
     }
+    PyObject *file = PyObject_GetAttrString(reg, "__file__");
+    if (file && PyUnicode_Check(file)) {
+        Py_ssize_t n = PyUnicode_GetLength(file);
+        Py_ssize_t slash = PyUnicode_FindChar(file, '/', 0, n, -1);
+        if (slash > 0) {
+            own_dir = PyUnicode_Substring(file, 0, slash + 1);
+        }
+    }
+    Py_XDECREF(file);
+    PyErr_Clear();
     PyObject *gtype = PyObject_GetAttrString(gm, "greenlet");
     greenlet_settrace = PyObject_GetAttrString(gm, "settrace");
     reg_codes = PyObject_GetAttrString(reg, "codes");
@@ -260,6 +272,15 @@ static PyObject *format_stack(PyObject *frame_obj)
     Py_INCREF(f);
     while (f && n < GQP_PY_STACK_DEPTH) {
         PyCodeObject *co = PyFrame_GetCode(f);
+        if (own_dir && PyUnicode_Tailmatch(co->co_filename, own_dir, 0,
+                                           PY_SSIZE_T_MAX, -1) == 1) {
+            /* greqprof's own frames say nothing about the app. */
+            Py_DECREF(co);
+            PyFrameObject *back = PyFrame_GetBack(f);
+            Py_DECREF(f);
+            f = back;
+            continue;
+        }
         int line = PyFrame_GetLineNumber(f);
         lines[n] = PyUnicode_FromFormat("  File \"%.300U\", line %d, in %.200U\n",
                                         co->co_filename, line, co->co_name);

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - greenlet is a dependency
     raise
 
 MAX_PATH = 2048
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MAX_REQUEST_ID = 200
 
 
@@ -93,13 +94,24 @@ class ProfilingMiddleware:
         for greenlets the request spawned (joined or not) before the
         profile is closed and reported; 0 reports at once (greenlets not
         yet started are then missed).
+    :param profile_dir: write every profile to this directory, one file
+        per format in ``formats`` (default ``["json"]``; any renderer name,
+        see docs/viewing.md), named ``<UTC time>-<pid>-<path>-<n>.<ext>``.
+    :param ui_path: serve the development inspector under this path (e.g.
+        ``"/_greqprof"``); requests there go to it instead of the app.
+        Off unless set.  Only loopback clients may use it unless
+        ``ui_allow`` (addresses/networks) or ``ui_token`` (required as
+        ``?token=`` or ``X-Greqprof-Token``) is given; it keeps the last
+        ``ui_keep`` profiles.
     """
 
     def __init__(self, app, pct=0.05, *, calls=False, clock="cpu",
                  blocking_ms=100, logger="greqprof", sink=None,
                  json_logs=False, max_spans=1000, stacks=True, seed=None,
                  rng=None, trigger_header=None, trigger_secret=None,
-                 max_open=64, report=True, watchdog=True, linger=1.0):
+                 max_open=64, report=True, watchdog=True, linger=1.0,
+                 profile_dir=None, formats=None, ui_path=None, ui_allow=None,
+                 ui_token=None, ui_keep=50):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -142,6 +154,13 @@ class ProfilingMiddleware:
         self.hostname = socket.gethostname()
         self.stats = {"requests": 0, "sampled": 0, "skipped_full": 0,
                       "blocking": 0, "errors": 0, "delivered": 0}
+        # -- profile files and the dev inspector (docs/viewing.md) --------
+        from .inspector import ProfileOutputs
+        self._outputs = ProfileOutputs.create(
+            self.config.calls, profile_dir=profile_dir, formats=formats,
+            ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
+            ui_keep=ui_keep)
+        self.inspector = self._outputs.ui if self._outputs else None
 
     def __repr__(self):
         # Never show the trigger secret.
@@ -151,6 +170,8 @@ class ProfilingMiddleware:
 
     # -- the WSGI entry point ---------------------------------------------
     def __call__(self, environ, start_response):
+        if self.inspector is not None and self.inspector.matches(environ):
+            return self.inspector(environ, start_response)  # not profiled
         self.stats["requests"] += 1
         try:
             req = self._begin(environ)
@@ -339,13 +360,21 @@ class ProfilingMiddleware:
                 cpu_total += g.cpu
         for raw in raw_spans:
             end_ns = max(end_ns, raw[2])
-        total, top, complete = eng.tracer.waited(rp, req.start_ns, end_ns)
+        total, top, complete = eng.tracer.waited(rp, req.start_ns, end_ns,
+                                                 top=8)
         waited = []
         for gid, ns in top:
             name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
+            if fn and fn.startswith("greqprof."):
+                continue  # greqprof's own housekeeping greenlets
             waited.append(WaitedOn(greenlet_id=gid, name=name or "",
                                    fn_name=fn or "", seconds=ns * NS))
-        calls = _collect.func_stats([rp]) if self.config.calls else None
+        calls = None
+        if self.config.calls:
+            # greqprof's own frames (the middleware around the app) are
+            # profiling overhead, not the app's time.
+            calls = [f for f in _collect.func_stats([rp])
+                     if not f.filename.startswith(_OWN_DIR)]
         return RequestProfile(
             method=req.method, path=req.path, status=req.status,
             start=rp.to_epoch(req.start_ns), end=rp.to_epoch(end_ns),
@@ -454,6 +483,8 @@ class ProfilingMiddleware:
                 self.sink(profile)
             except Exception as e:
                 self._internal_error("sink", e)
+        if self._outputs is not None:  # profile_dir / inspector ring
+            self._outputs.deliver(profile, self._internal_error)
         self.stats["delivered"] += 1
 
     def _internal_error(self, where, exc):
