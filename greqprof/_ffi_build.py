@@ -37,6 +37,7 @@ CDEF = """
 #define GQP_PY_BUILTINS ...
 #define GQP_PY_INHERIT ...
 #define GQP_PY_STACKS ...
+#define GQP_PY_CALLS_LATER ...
 
 typedef enum { GQP_PROFILE_MAX_SPANS, GQP_PROFILE_SPAN_POLICY,
     GQP_PROFILE_MAX_FUNCS, GQP_PROFILE_MAX_EDGES, GQP_PROFILE_MAX_GREENLETS,
@@ -117,6 +118,7 @@ int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
 gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err);
 int gqp_py_thread_stop(gqp_py_thread *st);
 int gqp_py_thread_is_current(gqp_py_thread *st);
+int gqp_py_calls(gqp_py_thread *st, int on);
 void gqp_py_thread_free(gqp_py_thread *st);
 int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);

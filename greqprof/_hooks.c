@@ -530,6 +530,7 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
 #define GQP_PY_BUILTINS 0x2
 #define GQP_PY_INHERIT 0x4
 #define GQP_PY_STACKS 0x8
+#define GQP_PY_CALLS_LATER 0x10 /* install the call hook on gqp_py_calls */
 
 /* Installs the hooks in the calling thread, feeding tracer t.  The current
  * greenlet starts a span now.  Returns a state for gqp_py_thread_stop, or
@@ -629,11 +630,13 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         Py_DECREF(cur);
     }
     PyErr_Clear();
-    if (st->calls) {
+    {
         PyThreadState *ts = PyThreadState_Get();
         st->prev_prof = ts->c_profilefunc;
         st->prev_prof_obj = ts->c_profileobj;
         Py_XINCREF(st->prev_prof_obj);
+    }
+    if (st->calls && !(flags & GQP_PY_CALLS_LATER)) {
         PyEval_SetProfile(gqp__profile, st->ref);
         st->profile_installed = 1;
     }
@@ -658,7 +661,8 @@ static int gqp_py_thread_stop(gqp_py_thread *st)
         goto out;
     }
     st->active = 0;
-    if (gqp__tls == st) {
+    int own = gqp__tls == st;
+    if (own) {
         if (st->profile_installed) {
             PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
             st->profile_installed = 0;
@@ -669,8 +673,32 @@ static int gqp_py_thread_stop(gqp_py_thread *st)
         PyErr_Clear();
         gqp__tls = NULL;
     }
-    gqp_tracer_flush(st->tracer);
+    gqp_tracer_flush_ex(st->tracer, own ? 0 : GQP_FLUSH_FOREIGN);
 out:
+    PyGILState_Release(gs);
+    return rc;
+}
+
+/* Turns the call hook on or off in the calling thread (which must be st's
+ * own), so threads pay for per-call tracing only while some profile wants
+ * calls.  Frames entered while it was off return unseen, which the tracer
+ * ignores. */
+static int gqp_py_calls(gqp_py_thread *st, int on)
+{
+    if (!st) {
+        return GQP_EINVAL;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int rc = GQP_OK;
+    if (gqp__tls != st || !st->active || !st->calls) {
+        rc = GQP_ESTATE;
+    } else if (on && !st->profile_installed) {
+        PyEval_SetProfile(gqp__profile, st->ref);
+        st->profile_installed = 1;
+    } else if (!on && st->profile_installed) {
+        PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
+        st->profile_installed = 0;
+    }
     PyGILState_Release(gs);
     return rc;
 }

@@ -153,9 +153,11 @@ class RawTracer:
             self.ptr, profile.ptr if profile is not None else ffi.NULL),
             "gqp_tracer_set_default")
 
-    def install(self, calls, builtins, inherit, stacks):
-        """Installs the C hooks in the calling thread."""
+    def install(self, calls, builtins, inherit, stacks, calls_later=False):
+        """Installs the C hooks in the calling thread.  With calls_later
+        the call hook waits for set_calls(True)."""
         flags = ((lib.GQP_PY_CALLS if calls else 0)
+                 | (lib.GQP_PY_CALLS_LATER if calls_later else 0)
                  | (lib.GQP_PY_BUILTINS if builtins else 0)
                  | (lib.GQP_PY_INHERIT if inherit else 0)
                  | (lib.GQP_PY_STACKS if stacks else 0))
@@ -173,6 +175,10 @@ class RawTracer:
         import threading
         self.hooks = st
         self.thread_ident = threading.get_ident()
+
+    def set_calls(self, on):
+        """Turns the call hook on/off; only from the installing thread."""
+        _check(lib.gqp_py_calls(self.hooks, 1 if on else 0), "set_calls")
 
     def uninstall(self):
         if self.hooks is None:

@@ -48,8 +48,12 @@ class Engine:
             cpu_mode=config.cpu_mode, call_clock=config.clock,
             long_span_ns=config.blocking_ns, cpu_window_ns=100000)
         self.tracer.set_default(None)
+        # The call hook is only on while a sampled request wants calls
+        # (acquire_calls/release_calls): unsampled requests pay nothing
+        # per call.
         self.tracer.install(calls=config.calls, builtins=False, inherit=True,
-                            stacks=True)
+                            stacks=True, calls_later=True)
+        self.calls_users = 0
         self.thread_ident = threading.get_ident()
         self.pid = os.getpid()
         # greenlet id -> (method, path, request_id) of open requests
@@ -63,6 +67,17 @@ class Engine:
         self.sampled_stacks = {}
         self.generation = _fork_generation[0]
         self.abandoned = False
+
+    def acquire_calls(self):
+        self.calls_users += 1
+        if self.calls_users == 1:
+            self.tracer.set_calls(True)
+
+    def release_calls(self):
+        if self.calls_users > 0:
+            self.calls_users -= 1
+            if self.calls_users == 0 and not self.abandoned:
+                self.tracer.set_calls(False)
 
     def abandon(self):
         self.abandoned = True

@@ -117,15 +117,14 @@ class Profiler:
     def _thread_bootstrap(self, frame, event, arg):
         # Runs once, as the first profile event of a new thread: swap the
         # Python-level hook for the C ones.
-        sys.setprofile(None)
+        # Put back the hook threading would have installed, then ours on
+        # top of it, so ours chains to it.
+        sys.setprofile(self._prev_thread_profile)
         if self._running:
             try:
                 self._new_session()
             except Exception:  # never break the thread being profiled
                 pass
-        prev = self._prev_thread_profile
-        if prev is not None:
-            sys.setprofile(prev)
 
     def stop(self):
         """Stops profiling; the data stays readable until :meth:`clear`."""

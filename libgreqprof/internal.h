@@ -83,6 +83,7 @@ typedef struct gqp__gstat {
     gqp_greenlet_stat pub;
     char *name;
     char *fn_name;
+    bool has_span;
 } gqp__gstat;
 
 struct gqp_profile {

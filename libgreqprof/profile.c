@@ -200,15 +200,15 @@ size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s)
     if (g) {
         gqp_greenlet_stat *st = &g->pub;
         int64_t wall = s->end_ns - s->start_ns;
-        if (st->switches == 0 && st->wall_ns == 0) {
+        if (!g->has_span) {
             st->first_ns = s->start_ns;
+            g->has_span = true;
         }
         st->wall_ns += wall;
         if (s->cpu_ns >= 0) {
             st->cpu_ns = (st->cpu_ns < 0 ? 0 : st->cpu_ns) + s->cpu_ns;
         }
-        /* A span begun by a split continues the same run. */
-        if (!(s->flags & GQP_SPAN_CONTINUED) || st->switches == 0) {
+        if (!(s->flags & GQP_SPAN_CONTINUED)) {
             st->switches++;
         }
         st->last_ns = s->end_ns;
@@ -360,8 +360,10 @@ GQP_API int gqp_profile_greenlet(const gqp_profile *p, size_t i,
     return GQP_OK;
 }
 
-static int set_name(char **slot, const char *s, size_t max)
+/* A copy of s truncated to max bytes; *out stays NULL for s == NULL. */
+static int copy_name(char **out, const char *s, size_t max)
 {
+    *out = NULL;
     if (!s) {
         return GQP_OK;
     }
@@ -375,8 +377,7 @@ static int set_name(char **slot, const char *s, size_t max)
     }
     memcpy(c, s, n);
     c[n] = '\0';
-    gqp__free(*slot);
-    *slot = c;
+    *out = c;
     return GQP_OK;
 }
 
@@ -392,16 +393,30 @@ GQP_API int gqp_profile_name_greenlet(gqp_profile *p, uint64_t greenlet_id,
     if (p->closed) {
         return GQP_ESTATE;
     }
-    p->has_data = true;
+    /* Allocate everything first so a failure changes nothing. */
+    char *cn = NULL, *cf = NULL;
+    if (copy_name(&cn, name, p->max_name) != GQP_OK ||
+        copy_name(&cf, fn_name, p->max_name) != GQP_OK) {
+        gqp__free(cn);
+        return GQP_ENOMEM;
+    }
+    size_t before = p->ngstats;
     gqp__gstat *g = gqp__profile_gstat(p, greenlet_id);
     if (!g) {
-        return p->ngstats >= p->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
+        gqp__free(cn);
+        gqp__free(cf);
+        return before >= p->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
     }
-    int rc = set_name(&g->name, name, p->max_name);
-    if (rc == GQP_OK) {
-        rc = set_name(&g->fn_name, fn_name, p->max_name);
+    p->has_data = true;
+    if (cn) {
+        gqp__free(g->name);
+        g->name = cn;
     }
-    return rc;
+    if (cf) {
+        gqp__free(g->fn_name);
+        g->fn_name = cf;
+    }
+    return GQP_OK;
 }
 
 /* ---- call statistics -------------------------------------------------- */

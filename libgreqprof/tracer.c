@@ -601,6 +601,9 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
         ev |= GQP_EV_NEW_GREENLET;
     }
     start_span(t, n, now, L);
+    if (from == 0) {
+        n->continued = true; /* tracing began while it ran: no switch */
+    }
     return ev;
 }
 
@@ -963,9 +966,24 @@ GQP_API int gqp_tracer_forget(gqp_tracer *t, uint64_t greenlet)
 
 GQP_API int gqp_tracer_flush(gqp_tracer *t)
 {
+    return gqp_tracer_flush_ex(t, 0);
+}
+
+GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags)
+{
     CHECK_TRACER(t);
+    if (flags & ~GQP_FLUSH_FOREIGN) {
+        return GQP_EINVAL;
+    }
     int64_t now = wall_now(t);
-    int64_t L = t->cpu_mode == GQP_CPU_OFF ? now : cpu_at(t, now, true);
+    int64_t L;
+    if (t->cpu_mode == GQP_CPU_OFF) {
+        L = now;
+    } else if (flags & GQP_FLUSH_FOREIGN) {
+        L = t->est_init ? t->L : 0; /* another thread's CPU clock is useless */
+    } else {
+        L = cpu_at(t, now, true);
+    }
     gqp__greenlet *cur = t->cur;
     if (cur) {
         close_span(t, cur, now, L, GQP_SPAN_SPLIT);

@@ -125,8 +125,9 @@ typedef struct gqp_span {
 #define GQP_SPAN_FINISHED 0x1u /* the greenlet ended at the end of the span  */
 #define GQP_SPAN_SPLIT 0x2u    /* ended by attach/detach/flush, not a switch */
 #define GQP_SPAN_LONG 0x4u     /* wall >= the tracer's long-span threshold   */
-#define GQP_SPAN_CONTINUED 0x8u /* began at a split, not at a switch: the
-                                   same run as the span before it          */
+#define GQP_SPAN_CONTINUED 0x8u /* did not begin with a switch: tracing
+                                   started mid-run, or a split continued
+                                   the run of the span before it           */
 
 /* ---- profiles --------------------------------------------------------- */
 typedef struct gqp_profile gqp_profile;
@@ -180,7 +181,8 @@ typedef struct gqp_greenlet_stat {
     uint64_t greenlet_id;
     int64_t wall_ns;       /* sum of the greenlet's span wall times        */
     int64_t cpu_ns;        /* sum of span CPU times; -1 when not measured  */
-    uint64_t switches;     /* spans run (times it was switched to)         */
+    uint64_t switches;     /* times it was switched to (spans that began
+                              with a switch)                              */
     int64_t first_ns;      /* start of its first span                      */
     int64_t last_ns;       /* end of its last span                         */
     uint32_t finished;     /* 1 once the greenlet ended                    */
@@ -338,6 +340,13 @@ GQP_API int gqp_tracer_forget(gqp_tracer *t, uint64_t greenlet);
  * as if everything stopped now.  The tracer is then idle (no greenlet
  * running) and may be reconfigured or fed again. */
 GQP_API int gqp_tracer_flush(gqp_tracer *t);
+/* gqp_tracer_flush with flags.  GQP_FLUSH_FOREIGN: called from a thread
+ * other than the one whose events the tracer records (the caller
+ * serialises with it): the thread CPU clock is not read, since it would be
+ * the caller's; the running span gets the CPU time estimated at the
+ * tracer's last event. */
+GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags);
+#define GQP_FLUSH_FOREIGN 0x1u
 /* Number of live greenlets tracked. */
 GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
 
