@@ -27,6 +27,7 @@ typedef struct gqp_py_thread {
     int inherit;
     int stacks;                /* capture a stack for long spans */
     int profile_installed;
+    uint64_t hub_key;          /* this thread's gevent hub, once seen */
     PyObject *trace_fn;        /* our callable given to greenlet.settrace */
     PyObject *ref;             /* hookref pointing back here */
     PyObject *prev_trace;      /* what greenlet.settrace returned */
@@ -57,11 +58,13 @@ static PyObject *reg_codes;     /* func key -> code object | C-func info */
 static PyObject *reg_stacks;    /* tag -> stack text */
 static PyObject *reg_long;      /* list of long-span records */
 static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
+static PyObject *reg_parents;   /* greenlet id -> spawner's id */
 static PyObject *greenlet_settrace;
 static getter dead_getter;
 static getter frame_getter;
 static getter parent_getter;
 static uint32_t next_tag = 1;
+static PyObject *hub_module_name;
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
                                    left out of captured stacks */
 
@@ -99,6 +102,7 @@ static int gqp_py_init(void)
         PyErr_Clear();
         goto out;
     }
+    hub_module_name = PyUnicode_InternFromString("gevent.hub");
     PyObject *file = PyObject_GetAttrString(reg, "__file__");
     if (file && PyUnicode_Check(file)) {
         Py_ssize_t n = PyUnicode_GetLength(file);
@@ -115,6 +119,7 @@ static int gqp_py_init(void)
     reg_stacks = PyObject_GetAttrString(reg, "stacks");
     reg_long = PyObject_GetAttrString(reg, "long_spans");
     reg_names = PyObject_GetAttrString(reg, "names");
+    reg_parents = PyObject_GetAttrString(reg, "parents");
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");
         frame_getter = find_getter(gtype, "gr_frame");
@@ -129,6 +134,7 @@ static int gqp_py_init(void)
         goto out;
     }
     if (greenlet_settrace && reg_codes && reg_stacks && reg_long && reg_names &&
+        reg_parents && PyDict_Check(reg_parents) &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
@@ -341,6 +347,10 @@ static uint32_t store_stack(PyObject *text)
 /* A span closed long: keep where its greenlet was and queue a record. */
 static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
 {
+    if (st->inherit && st->hub_key == (uint64_t)(uintptr_t)origin) {
+        /* The hub's span includes its wait for I/O: not blocking. */
+        return;
+    }
     gqp_span sp;
     gqp_profile *p = NULL;
     size_t idx = SIZE_MAX;
@@ -380,9 +390,41 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     PyErr_Clear();
 }
 
+/* 1 when g is a gevent Hub (only once gevent.hub has been imported). */
+static int is_hub(PyObject *g)
+{
+    PyObject *mod = PyImport_GetModule(hub_module_name);
+    if (!mod) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *hub_type = PyObject_GetAttrString(mod, "Hub");
+    Py_DECREF(mod);
+    int r = hub_type ? PyObject_IsInstance(g, hub_type) : 0;
+    Py_XDECREF(hub_type);
+    PyErr_Clear();
+    return r == 1;
+}
+
+static void remember_parent(uint64_t child_id, uint64_t parent_id)
+{
+    if (PyDict_GET_SIZE(reg_parents) >= GQP_PY_MAX_NAMES) {
+        PyDict_Clear(reg_parents);
+    }
+    PyObject *k = PyLong_FromUnsignedLongLong(child_id);
+    PyObject *v = PyLong_FromUnsignedLongLong(parent_id);
+    if (k && v) {
+        PyDict_SetItem(reg_parents, k, v);
+    }
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    PyErr_Clear();
+}
+
 static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 {
     uint64_t key = (uint64_t)(uintptr_t)target;
+    uint64_t parent_id = 0;
     if (st->inherit) {
         /* gevent records who spawned a Greenlet (a weak reference). */
         PyObject *ref = PyObject_GetAttrString(target, "spawning_greenlet");
@@ -390,16 +432,23 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         if (ref && PyWeakref_Check(ref)) {
             PyObject *parent = PyWeakref_GetObject(ref);
             if (parent && parent != Py_None) {
-                gqp_tracer_inherit(st->tracer, key,
-                                   (uint64_t)(uintptr_t)parent);
+                uint64_t pkey = (uint64_t)(uintptr_t)parent;
+                gqp_tracer_inherit(st->tracer, key, pkey);
+                gqp_tracer_greenlet_id(st->tracer, pkey, &parent_id);
             }
         }
         Py_XDECREF(ref);
+        if (!st->hub_key && is_hub(target)) {
+            st->hub_key = key;
+        }
     }
     uint64_t id = 0;
     gqp_profile *p = NULL;
     if (gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
         name_in_profile(st, target, id, p);
+        if (parent_id) {
+            remember_parent(id, parent_id);
+        }
     }
 }
 

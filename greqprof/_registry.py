@@ -13,3 +13,5 @@ stacks = {}
 long_spans = []
 #: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
 names = {}
+#: greenlet id -> id of the greenlet that spawned it (bounded in C)
+parents = {}

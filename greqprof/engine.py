@@ -51,8 +51,10 @@ class Engine:
         # The call hook is only on while a sampled request wants calls
         # (acquire_calls/release_calls): unsampled requests pay nothing
         # per call.
-        self.tracer.install(calls=config.calls, builtins=False, inherit=True,
+        self.tracer.install(calls=True, builtins=False, inherit=True,
                             stacks=True, calls_later=True)
+        self.blocking_ns = config.blocking_ns
+        self.hub_gid = None
         self.calls_users = 0
         self.thread_ident = threading.get_ident()
         self.pid = os.getpid()
@@ -87,9 +89,16 @@ class Engine:
 
 
 def engine_for_thread(config):
-    """The calling thread's engine, created on first use."""
+    """The calling thread's engine, created on first use.  Several
+    middlewares in one thread share it; the blocking threshold is the
+    smallest they asked for (each filters its own reports)."""
     eng = getattr(_local, "engine", None)
     if eng is not None and not eng.abandoned:
+        if config.blocking_ns and (not eng.blocking_ns
+                                   or config.blocking_ns < eng.blocking_ns):
+            eng.blocking_ns = config.blocking_ns
+            eng.tracer.set(_lowlevel.lib.GQP_TRACER_LONG_SPAN_NS,
+                           config.blocking_ns, "long span")
         return eng
     eng = Engine(config)
     _local.engine = eng
@@ -159,8 +168,11 @@ class Watchdog:
             if run is None:
                 continue
             start, gid = run
+            if gid == eng.hub_gid:
+                continue  # the hub waiting for I/O is not blocking
             key = (gid, start)
-            if now - start < self.blocking_ns or key in eng.sampled_stacks:
+            if now - start < (eng.blocking_ns or self.blocking_ns) or \
+                    key in eng.sampled_stacks:
                 continue
             stack = _lowlevel.capture_thread_stack(eng.thread_ident)
             if stack is None:

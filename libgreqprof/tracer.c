@@ -209,6 +209,12 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
                            int64_t value)
 {
     CHECK_TRACER(t);
+    if (param == GQP_TRACER_LONG_SPAN_NS) {
+        /* Read only when a span closes: may change at any time. */
+        if (value < 0) return GQP_ERANGE;
+        t->long_ns = value;
+        return GQP_OK;
+    }
     if (t->cur) {
         return GQP_ESTATE;
     }
@@ -1031,8 +1037,9 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         if (h->end <= start_ns || h->start >= end_ns) {
             continue;
         }
-        if (serial && h->serial == serial) {
-            continue;
+        if (serial && (h->serial == serial ||
+                       gqp__map_get(&mine->gindex, h->greenlet_id))) {
+            continue; /* one of mine ran, attached or not at the time */
         }
         int64_t a = h->start > start_ns ? h->start : start_ns;
         int64_t b = h->end < end_ns ? h->end : end_ns;

@@ -283,7 +283,8 @@ typedef enum gqp_tracer_param {
 GQP_API int gqp_tracer_new(gqp_tracer **out);
 GQP_API void gqp_tracer_free(gqp_tracer *t);
 /* Parameters may be changed only while no greenlet is running (before the
- * first event or after gqp_tracer_flush), else GQP_ESTATE. */
+ * first event or after gqp_tracer_flush), else GQP_ESTATE;
+ * GQP_TRACER_LONG_SPAN_NS may be changed at any time. */
 GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
                            int64_t value);
 GQP_API int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
@@ -351,7 +352,8 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags);
 GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
 
 /* Time other greenlets ran during [start_ns, end_ns] while greenlets of
- * `mine` did not, from the tracer's recent span history: the total, and the
+ * `mine` (attached to it, or with totals in it) did not, from the tracer's
+ * recent span history: the total, and the
  * top `n` greenlets by time written to ids[]/ns[].  Returns the number of
  * entries written; *complete is 0 when the history no longer reached back
  * to start_ns. */
