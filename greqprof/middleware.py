@@ -11,6 +11,8 @@ import threading
 from . import _collect, _lowlevel, _registry
 from ._lowlevel import NS, RawProfile
 from .engine import engine_for_thread
+from . import config
+from .config import UNSET
 from .errors import ConfigError
 from .report import render_blocking
 from .request_profile import BlockingEvent, RequestProfile, WaitedOn, Waiting
@@ -61,9 +63,9 @@ class _Config:
 
 
 class _OpenRequest:
-    __slots__ = ("greenlet", "gid", "profile", "method", "path", "status",
-                 "start_ns", "end_ns", "request_id", "sampled_by", "error",
-                 "done")
+    __slots__ = ("greenlet", "gid", "profile", "addr", "method", "path",
+                 "status", "start_ns", "end_ns", "request_id", "sampled_by",
+                 "error", "done", "blocking", "observed", "__weakref__")
 
 
 class ProfilingMiddleware:
@@ -105,16 +107,37 @@ class ProfilingMiddleware:
         ``ui_keep`` profiles.
     """
 
-    def __init__(self, app, pct=0.05, *, calls=False, clock="cpu",
-                 blocking_ms=100, logger="greqprof", sink=None,
-                 json_logs=False, max_spans=1000, stacks=True, seed=None,
-                 rng=None, trigger_header=None, trigger_secret=None,
-                 max_open=64, report=True, watchdog=True, linger=1.0,
-                 profile_dir=None, formats=None, ui_path=None, ui_allow=None,
-                 ui_token=None, ui_keep=50):
+    def __init__(self, app, pct=UNSET, *, calls=UNSET, clock=UNSET,
+                 blocking_ms=UNSET, logger=UNSET, sink=None,
+                 json_logs=UNSET, max_spans=UNSET, stacks=True, seed=None,
+                 rng=None, trigger_header=UNSET, trigger_secret=UNSET,
+                 max_open=64, report=True, watchdog=True, linger=UNSET,
+                 profile_dir=UNSET, formats=UNSET, ui_path=None, ui_allow=None,
+                 ui_token=None, ui_keep=50, otel=UNSET, otel_spans=UNSET,
+                 observers=(), environ=None):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
+        # Options left at their default may come from GREQPROF_* variables
+        # (greqprof/config.py); arguments given here win.
+        opts = config.resolve(dict(
+            pct=pct, calls=calls, clock=clock, blocking_ms=blocking_ms,
+            logger=logger, json_logs=json_logs, max_spans=max_spans,
+            trigger_header=trigger_header, trigger_secret=trigger_secret,
+            linger=linger, profile_dir=profile_dir, formats=formats,
+            otel=otel, otel_spans=otel_spans), environ)
+        self.enabled = opts["enabled"]
+        pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
+        blocking_ms, logger = opts["blocking_ms"], opts["logger"]
+        json_logs, max_spans = opts["json_logs"], opts["max_spans"]
+        trigger_header = opts["trigger_header"]
+        trigger_secret = opts["trigger_secret"]
+        linger, profile_dir = opts["linger"], opts["profile_dir"]
+        formats = opts["formats"]
+        self.observers = list(observers)
+        if opts["otel"]:
+            from .otel import OtelObserver
+            self.observers.append(OtelObserver(child_spans=opts["otel_spans"]))
         if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
                 or linger < 0:
             raise ConfigError("linger must be a number of seconds >= 0, got "
@@ -170,6 +193,8 @@ class ProfilingMiddleware:
 
     # -- the WSGI entry point ---------------------------------------------
     def __call__(self, environ, start_response):
+        if not self.enabled:  # GREQPROF_ENABLED=0
+            return self.app(environ, start_response)
         if self.inspector is not None and self.inspector.matches(environ):
             return self.inspector(environ, start_response)  # not profiled
         self.stats["requests"] += 1
@@ -193,7 +218,20 @@ class ProfilingMiddleware:
             req.error = "%s: %s" % (type(e).__name__, e)
             self._finish(req)
             raise
-        return _ClosingIterator(result, self, req)
+        if isinstance(result, (list, tuple)):
+            # Keep len(): servers use it for Content-Length.
+            return _ClosingSequence(result, self, req)
+        try:
+            return _ClosingIterator(result, self, req)
+        except BaseException as e:  # iter() of the app's result raised
+            req.error = "%s: %s" % (type(e).__name__, e)
+            try:
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+            finally:
+                self._finish(req)
+            raise
 
     # -- per request ----------------------------------------------------------
     def _sample(self, environ):
@@ -225,6 +263,9 @@ class ProfilingMiddleware:
         req.error = None
         req.done = False
         req.profile = None
+        req.addr = None
+        req.blocking = []
+        req.observed = None
         req.sampled_by = sampled_by
         req.gid = eng.tracer.greenlet_id(g)
         if eng.lingering and req.gid in eng.lingering:
@@ -244,6 +285,8 @@ class ProfilingMiddleware:
                 req.profile = RawProfile(max_spans=cfg.max_spans,
                                          keep="first")
                 eng.tracer.attach(g, req.profile)
+                if cfg.calls:
+                    eng.acquire_calls()
                 self.stats["sampled"] += 1
             except Exception as e:
                 with self._lock:
@@ -252,14 +295,26 @@ class ProfilingMiddleware:
                 req.sampled_by = None
                 self._internal_error("open profile", e)
         req.start_ns = _lowlevel.wall_ns()
-        info = (req.method, req.path, req.request_id)
         if req.gid is not None:
-            eng.requests[req.gid] = info
+            eng.requests[req.gid] = req
         if req.profile is not None:
-            eng.profile_requests[self._addr(req.profile)] = info
+            req.addr = self._addr(req.profile)
+            eng.profile_requests[req.addr] = req
         if cfg.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
+        if self.observers:
+            req.observed = []
+            for obs in self.observers:
+                self._notify(obs, "on_begin", req)
         return req
+
+    def _notify(self, observer, event, *args):
+        fn = getattr(observer, event, None)
+        if fn is not None:
+            try:
+                fn(*args)
+            except Exception as e:
+                self._internal_error("observer %s" % event, e)
 
     def _finish(self, req):
         """The response is done (closed, or the app raised)."""
@@ -274,6 +329,24 @@ class ProfilingMiddleware:
                 # Later spans of this greenlet (the next keep-alive request)
                 # are not this request's; greenlets it spawned still are.
                 eng.tracer.attach(g, None)
+            elif self.config.blocking_ns and req.gid is not None:
+                # Close a long-running span now so it is reported with this
+                # request's name.
+                run = eng.tracer.running_since()
+                if run is not None and run[1] == req.gid and \
+                        req.end_ns - run[0] >= self.config.blocking_ns:
+                    eng.tracer.attach(g, None)
+            self._drain_blocking(eng)
+            if self.observers:
+                # Observers (OpenTelemetry) see the request while its trace
+                # span is still open: what is known at the end of the
+                # response.
+                snapshot = (self._build(eng, req, req.end_ns, snapshot=True)
+                            if req.profile is not None else None)
+                for obs in self.observers:
+                    self._notify(obs, "on_response_end", req, snapshot,
+                                 list(req.blocking))
+            if req.profile is not None:
                 if self.linger > 0:
                     eng.tracer.set_spawn_profile(g, req.profile)
                     eng.lingering[req.gid] = req
@@ -281,15 +354,8 @@ class ProfilingMiddleware:
                     return
                 self._finalize(eng, req)
                 return
-            if self.config.blocking_ns and req.gid is not None:
-                # Close a long-running span now so it is reported with this
-                # request's name.
-                run = eng.tracer.running_since()
-                if run is not None and run[1] == req.gid and \
-                        req.end_ns - run[0] >= self.config.blocking_ns:
-                    eng.tracer.attach(g, None)
-            self._drain_blocking(eng, None)
-            eng.requests.pop(req.gid, None)
+            if eng.requests.get(req.gid) is req:
+                del eng.requests[req.gid]
         except Exception as e:
             self._internal_error("finish", e)
         finally:
@@ -324,26 +390,35 @@ class ProfilingMiddleware:
             req.profile.close()
             with self._lock:
                 self._open -= 1
-            profile = self._build(eng, req, req.end_ns)
+            if self.config.calls:
+                eng.release_calls()
             # Drain while the request is still registered, so its blocking
             # spans are named after it.
-            blocking = self._drain_blocking(eng, req)
-            eng.requests.pop(req.gid, None)
-            eng.profile_requests.pop(self._addr(req.profile), None)
-            profile.blocking.extend(blocking)
+            self._drain_blocking(eng)
+            profile = self._build(eng, req, req.end_ns)
+            if eng.requests.get(req.gid) is req:
+                del eng.requests[req.gid]
+            if eng.profile_requests.get(req.addr) is req:
+                del eng.profile_requests[req.addr]
+            profile.blocking.extend(req.blocking)
             self._deliver(profile)
+            for obs in self.observers:
+                self._notify(obs, "on_profile", req, profile)
         except Exception as e:
             self._internal_error("finish", e)
         finally:
             req.greenlet = None
 
-    def _build(self, eng, req, end_ns):
+    def _build(self, eng, req, end_ns, snapshot=False):
+        """The RequestProfile of req; snapshot=True reads an open profile
+        without consuming its stacks (for observers)."""
         rp = req.profile
         stacks = {}
         raw_spans = rp.spans()
+        take = _registry.stacks.get if snapshot else _registry.stacks.pop
         for s in raw_spans:
             if s[5]:
-                text = _registry.stacks.pop(s[5], None)
+                text = take(s[5], None)
                 if text is not None:
                     stacks[s[5]] = text
         names = _collect.greenlet_names([rp])
@@ -400,7 +475,7 @@ class ProfilingMiddleware:
         while not eng.abandoned:
             gevent.sleep(1.0)
             try:
-                self._drain_blocking(eng, None)
+                self._drain_blocking(eng)
             except Exception as e:
                 self._internal_error("drain", e)
 
@@ -414,40 +489,53 @@ class ProfilingMiddleware:
         except Exception as e:
             self._internal_error("drain", e)
 
-    def _drain_blocking(self, eng, req):
-        """Turns queued long-span records of this thread into blocking
-        events: logged as WARNINGs, and returned when they belong to the
-        request being finished."""
+    MAX_BLOCKING_PER_REQUEST = 100
+
+    def _drain_blocking(self, eng, req=None):
+        """Turns this thread's queued long-span records into blocking
+        events: each is logged as a WARNING and kept with the open request
+        it belongs to (by its profile, else by its greenlet)."""
         if not _registry.long_spans:
-            return []
-        mine = []
+            return
         keep = []
         for rec in _lowlevel.drain_long_spans():
-            (tid, gid, start, end, cpu, _flags, tag, paddr) = rec
-            if tid != eng.thread_ident:
+            if rec[0] != eng.thread_ident:
                 keep.append(rec)
                 continue
-            ev = self._blocking_event(eng, rec)
+            owner = eng.profile_requests.get(rec[7]) if rec[7] else None
+            if owner is None:
+                owner = self._request_of_greenlet(eng, rec[1])
+            if rec[3] - rec[2] < self.config.blocking_ns:
+                continue  # below this middleware's threshold
+            ev = self._blocking_event(eng, rec, owner)
             self.stats["blocking"] += 1
             self._log_blocking(ev)
-            if req is not None and req.profile is not None and \
-                    paddr == self._addr(req.profile):
-                mine.append(ev)
+            if owner is not None and \
+                    len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
+                owner.blocking.append(ev)
         if keep:
             _registry.long_spans.extend(keep)
-        return mine
 
-    def _blocking_event(self, eng, rec):
+    @staticmethod
+    def _request_of_greenlet(eng, gid, depth=16):
+        """The open request a greenlet belongs to: its own, or the one its
+        spawner (transitively) serves."""
+        parents = _registry.parents
+        for _ in range(depth):
+            req = eng.requests.get(gid)
+            if req is not None or gid not in parents:
+                return req
+            gid = parents[gid]
+        return None
+
+    def _blocking_event(self, eng, rec, owner):
         (tid, gid, start, end, cpu, _flags, tag, paddr) = rec
         name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
         stack = _registry.stacks.pop(tag, None) if tag else None
         sampled = eng.sampled_stacks.pop((gid, start), None)
         method = path = rid = None
-        info = eng.requests.get(gid)
-        if info is None and paddr:
-            info = self._open_request_info(eng, paddr)
-        if info is not None:
-            method, path, rid = info
+        if owner is not None:
+            method, path, rid = owner.method, owner.path, owner.request_id
         origin_epoch = _lowlevel.lib.gqp_clock_epoch_ns() - _lowlevel.wall_ns()
         return BlockingEvent(
             greenlet_id=gid, greenlet_name=name or "", fn_name=fn or "",
@@ -455,9 +543,6 @@ class ProfilingMiddleware:
             wall=(end - start) * NS, cpu=None if cpu < 0 else cpu * NS,
             stack=stack, sampled_stack=sampled, method=method, path=path,
             request_id=rid, pid=os.getpid(), hostname=self.hostname)
-
-    def _open_request_info(self, eng, paddr):
-        return eng.profile_requests.get(paddr)
 
     # -- output -------------------------------------------------------------
     def _log_blocking(self, ev):
@@ -534,3 +619,24 @@ class _ClosingIterator:
                 close()
         finally:
             self._mw._finish(self._req)
+
+
+class _ClosingSequence:
+    """A list/tuple body: re-iterable and sized like the app's, so the
+    server can compute Content-Length; finishes the profile on close()."""
+
+    __slots__ = ("_result", "_mw", "_req")
+
+    def __init__(self, result, mw, req):
+        self._result = result
+        self._mw = mw
+        self._req = req
+
+    def __len__(self):
+        return len(self._result)
+
+    def __iter__(self):
+        return iter(self._result)
+
+    def close(self):
+        self._mw._finish(self._req)
