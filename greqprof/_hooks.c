@@ -28,6 +28,7 @@ typedef struct gqp_py_thread {
     int stacks;                /* capture a stack for long spans */
     int profile_installed;
     uint64_t hub_key;          /* this thread's gevent hub, once seen */
+    int installed;             /* still referenced by its thread's hooks */
     PyObject *trace_fn;        /* our callable given to greenlet.settrace */
     PyObject *ref;             /* hookref pointing back here */
     PyObject *prev_trace;      /* what greenlet.settrace returned */
@@ -606,6 +607,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         Py_XDECREF(r);
         PyErr_Clear();
         gqp__tls = NULL;
+        old->installed = 0;
         if (!old->tracer) {
             /* Its owner already let go of it (gqp_py_thread_free). */
             ((gqp_hookref *)old->ref)->st = NULL;
@@ -662,6 +664,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         st->prev_trace = prev;
     }
     gqp__tls = st;
+    st->installed = 1;
     st->active = 1;
     /* Start the current greenlet's span (and give it its names). */
     PyObject *gm = PyImport_ImportModule("greenlet");
@@ -721,6 +724,7 @@ static int gqp_py_thread_stop(gqp_py_thread *st)
         Py_XDECREF(r);
         PyErr_Clear();
         gqp__tls = NULL;
+        st->installed = 0;
     }
     gqp_tracer_flush_ex(st->tracer, own ? 0 : GQP_FLUSH_FOREIGN);
 out:
@@ -767,8 +771,10 @@ static void gqp_py_thread_free(gqp_py_thread *st)
         return;
     }
     PyGILState_STATE gs = PyGILState_Ensure();
-    if (gqp__tls == st || st->active) {
-        /* Still installed in a thread: leave it, quiet. */
+    if (st->installed) {
+        /* Still in its thread's hooks (stopped from another thread): leave
+         * it quiet, still chaining to the hooks it replaced; that thread
+         * frees it when it next starts profiling. */
         st->active = 0;
         st->tracer = NULL;
     } else {

@@ -12,6 +12,7 @@ thread), because the stack at switch-out time can be far from the code that
 blocked."""
 import os
 import threading
+import weakref
 
 from . import _lowlevel
 from ._lowlevel import RawTracer
@@ -27,8 +28,16 @@ def _after_fork_in_child():
     # reference) belong to the parent's threads.  Hooks installed in the
     # forking thread stay in place but go quiet until a new engine takes
     # over (gqp_py_thread_start replaces a quiet state).
+    me = threading.get_ident()
     for eng in list(_engines.values()):
         eng.abandon()
+        if eng.thread_ident == me:
+            # The forking thread lives on in the child: take its hooks out
+            # so a fresh engine can install its own.
+            try:
+                eng.tracer.uninstall()
+            except Exception:
+                pass
     _engines.clear()
     _local.__dict__.clear()
     _fork_generation[0] += 1
@@ -55,6 +64,8 @@ class Engine:
                             stacks=True, calls_later=True)
         self.blocking_ns = config.blocking_ns
         self.hub_gid = None
+        # the middlewares served by this thread (they share the engine)
+        self.middlewares = weakref.WeakSet()
         self.calls_users = 0
         self.thread_ident = threading.get_ident()
         self.pid = os.getpid()
@@ -113,6 +124,7 @@ def shutdown():
     """Removes the hooks from the calling thread (tests, reconfiguration)."""
     eng = getattr(_local, "engine", None)
     if eng is not None:
+        eng.abandon()
         eng.stop()
         _local.engine = None
         with _engines_lock:

@@ -252,6 +252,8 @@ class ProfilingMiddleware:
         if sampled_by is None and not cfg.blocking_ns:
             return None
         eng = engine_for_thread(cfg)
+        if self not in eng.middlewares:
+            eng.middlewares.add(self)
         g = getcurrent()
         req = _OpenRequest()
         req.greenlet = g
@@ -285,8 +287,12 @@ class ProfilingMiddleware:
                 req.profile = RawProfile(max_spans=cfg.max_spans,
                                          keep="first")
                 eng.tracer.attach(g, req.profile)
-                if cfg.calls:
-                    eng.acquire_calls()
+                try:
+                    if cfg.calls:
+                        eng.acquire_calls()
+                except Exception:
+                    eng.tracer.attach(g, None)
+                    raise
                 self.stats["sampled"] += 1
             except Exception as e:
                 with self._lock:
@@ -505,14 +511,16 @@ class ProfilingMiddleware:
             owner = eng.profile_requests.get(rec[7]) if rec[7] else None
             if owner is None:
                 owner = self._request_of_greenlet(eng, rec[1])
-            if rec[3] - rec[2] < self.config.blocking_ns:
-                continue  # below this middleware's threshold
             ev = self._blocking_event(eng, rec, owner)
-            self.stats["blocking"] += 1
-            self._log_blocking(ev)
             if owner is not None and \
                     len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
                 owner.blocking.append(ev)
+            # Several middlewares may share this thread's engine: each
+            # reports what reaches its own threshold.
+            for mw in list(eng.middlewares) or [self]:
+                if rec[3] - rec[2] >= mw.config.blocking_ns > 0:
+                    mw.stats["blocking"] += 1
+                    mw._log_blocking(ev)
         if keep:
             _registry.long_spans.extend(keep)
 
@@ -531,7 +539,11 @@ class ProfilingMiddleware:
     def _blocking_event(self, eng, rec, owner):
         (tid, gid, start, end, cpu, _flags, tag, paddr) = rec
         name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
-        stack = _registry.stacks.pop(tag, None) if tag else None
+        # A sampled request's profile still needs the stack for its span
+        # (_build takes it); otherwise nothing else will.
+        keep = owner is not None and owner.profile is not None
+        take = _registry.stacks.get if keep else _registry.stacks.pop
+        stack = take(tag, None) if tag else None
         sampled = eng.sampled_stacks.pop((gid, start), None)
         method = path = rid = None
         if owner is not None:

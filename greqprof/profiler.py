@@ -1,6 +1,8 @@
 """The whole-process, greenlet-aware Profiler."""
+import os
 import sys
 import threading
+import weakref
 
 from . import _collect, _registry
 from ._lowlevel import RawProfile, RawTracer
@@ -20,6 +22,22 @@ def _check_positive(name, value, integer=False, allow_zero=False):
     return value
 
 
+_running_profilers = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    # The child keeps profiling the thread that forked, from a clean slate:
+    # data recorded before the fork belongs to the parent, and the other
+    # threads' sessions have no thread here.
+    me = threading.get_ident()
+    for prof in list(_running_profilers):
+        prof._forked(me)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Session:
     """The tracer and profile of one OS thread."""
 
@@ -27,6 +45,7 @@ class _Session:
         self.tracer = tracer
         self.profile = profile
         self.thread_name = thread_name
+        self.thread_ident = threading.get_ident()
 
 
 class Profiler:
@@ -109,6 +128,7 @@ class Profiler:
         self._new_session()
         self._running = True
         self._starter = threading.get_ident()
+        _running_profilers.add(self)
         if hasattr(threading, "getprofile"):
             self._prev_thread_profile = threading.getprofile()
         threading.setprofile(self._thread_bootstrap)
@@ -135,11 +155,20 @@ class Profiler:
                 "Profiler.stop() must be called from the thread that "
                 "called start()")
         self._running = False
+        _running_profilers.discard(self)
         threading.setprofile(self._prev_thread_profile)
         with self._lock:
             sessions = list(self._sessions)
         for s in sessions:
             s.tracer.uninstall()
+
+    def _forked(self, me):
+        with self._lock:
+            keep = [s for s in self._sessions if s.thread_ident == me]
+            self._sessions = keep
+        for s in keep:
+            s.profile.clear()
+        self._starter = me
 
     def clear(self):
         """Forgets everything recorded so far (also while running)."""

@@ -1,0 +1,110 @@
+"""Shared helpers for the greqprof Python tests.
+
+Times are compared in CPU *units*: ``spin(n)`` burns ``n * UNIT`` seconds of
+the calling thread's CPU time (measured with ``time.thread_time``), so the
+expected values are ratios that do not depend on the machine's speed or load.
+"""
+import gc
+import sys
+import threading
+import time
+
+import greenlet
+import pytest
+
+import greqprof
+
+#: seconds of thread CPU time burnt by spin(1)
+UNIT = 0.015
+
+
+def spin(units):
+    """Burns `units` * UNIT seconds of this thread's CPU time."""
+    clock = time.thread_time
+    end = clock() + units * UNIT
+    while clock() < end:
+        pass
+
+
+def units(seconds):
+    """Seconds expressed in spin units."""
+    return seconds / UNIT
+
+
+def assert_units(seconds, expected, rel=0.3, what="value"):
+    """`seconds` is `expected` spin units within `rel` (relative)."""
+    got = units(seconds)
+    assert abs(got - expected) <= rel * expected, (
+        "%s: %.2f units, expected %.2f +- %d%%"
+        % (what, got, expected, rel * 100))
+
+
+def qualified(fn):
+    """The fn_name greqprof gives a greenlet running `fn`."""
+    return "%s.%s" % (fn.__module__, fn.__qualname__)
+
+
+def func_stat(stats, fn):
+    """The FuncStat of Python function `fn` (matched by code location), or
+    None when the function was not recorded."""
+    co = fn.__code__
+    found = [f for f in stats
+             if f.name == co.co_name and f.filename == co.co_filename
+             and f.lineno == co.co_firstlineno]
+    assert len(found) <= 1, "function %s listed %d times" % (fn, len(found))
+    return found[0] if found else None
+
+
+def child_names(fstat):
+    return {c.name for c in fstat.children}
+
+
+def child(fstat, name):
+    found = [c for c in fstat.children if c.name == name]
+    assert len(found) == 1, "%s: %d children named %r: %r" % (
+        fstat.qualname, len(found), name, fstat.children)
+    return found[0]
+
+
+@pytest.fixture
+def no_gc():
+    """No garbage collection during the test: a collection in the middle of
+    a measured region would add CPU time the test did not ask for."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    yield
+    if was:
+        gc.enable()
+
+
+@pytest.fixture
+def make_profiler():
+    """Factory for Profilers that are stopped at teardown even when the test
+    failed half-way, so that one failure does not leave hooks installed in
+    the main thread and break every later test."""
+    made = []
+
+    def factory(*args, **kwargs):
+        p = greqprof.Profiler(*args, **kwargs)
+        made.append(p)
+        return p
+
+    yield factory
+    for p in made:
+        if p.running:
+            try:
+                p.stop()
+            except Exception:
+                pass
+
+
+@pytest.fixture(autouse=True)
+def _clean_hooks():
+    """Every test starts and ends without profile/trace hooks."""
+    assert sys.getprofile() is None
+    assert greenlet.gettrace() is None
+    yield
+    sys.setprofile(None)
+    threading.setprofile(None)
+    greenlet.settrace(None)

@@ -1,0 +1,256 @@
+"""RequestProfile serialisation (to_dict / from_dict / save / load) and the
+text report, on profiles produced by real requests to a
+gevent.pywsgi.WSGIServer wrapped in ProfilingMiddleware.
+
+The server/client helpers and the ``serve`` fixture come from
+test_middleware.py (pytest puts this directory on sys.path).
+"""
+import json
+import logging
+import re
+import time
+
+import gevent
+import pytest
+
+from greqprof import (BlockingEvent, ChildStat, FuncStat, GreenletStat,
+                      RequestProfile, Span, Waiting, WaitedOn)
+from greqprof.request_profile import SCHEMA
+
+from test_middleware import (LOGGER, current_gid, echo_path, func_named,
+                             serve)  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def helper_in_request(n):
+    return sum(range(n))
+
+
+def child_work():
+    gevent.sleep(0)
+    helper_in_request(10)
+
+
+def rich_app(environ, start_response):
+    path = environ["PATH_INFO"]
+    if path == "/error":
+        raise RuntimeError("report me\nsecond line")
+    if path == "/many":
+        for _ in range(12):
+            gevent.sleep(0)
+    if path == "/rich":
+        gevent.spawn(child_work)              # not joined
+        gevent.spawn(child_work).join()
+        for i in range(3):
+            helper_in_request(100)
+        time.sleep(0.12)                      # a blocking span
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+@pytest.fixture
+def profiles(serve, caplog):
+    """Profiles of /rich, /error and /many (and the log records)."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    s = serve(rich_app, pct=1.0, calls=True, blocking_ms=100, linger=1.0)
+    s.get("/rich", headers=[("X-Request-Id", "rid-7")])
+    s.get("/error")
+    s.get("/many")
+    s.wait_profiles(3)
+    return {p.path: p for p in s.profiles}
+
+
+def _round_trip(p):
+    return RequestProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+
+
+def test_rich_profile_has_everything(profiles):
+    p = profiles["/rich"]
+    assert p.request_id == "rid-7"
+    assert p.status == "200 OK" and p.error is None
+    assert len(p.greenlets) == 3
+    assert len(p.blocking) == 1 and p.blocked
+    assert p.calls and func_named(p, "helper_in_request").ncall == 5
+    assert p.waiting.top
+    assert p.longest_span is not None and p.longest_span.long
+
+
+@pytest.mark.parametrize("path", ["/rich", "/error", "/many"])
+def test_to_dict_from_dict_round_trip(profiles, path):
+    p = profiles[path]
+    d = p.to_dict()
+    assert d["schema"] == SCHEMA
+    back = _round_trip(p)
+    assert back == p
+    assert back.to_dict() == d
+    assert back.report() == p.report()
+    # the records have their public types back
+    assert all(isinstance(s, Span) for s in back.spans)
+    assert all(isinstance(g, GreenletStat) for g in back.greenlets)
+    assert isinstance(back.waiting, Waiting)
+    assert all(isinstance(w, WaitedOn) for w in back.waiting.top)
+    assert all(isinstance(b, BlockingEvent) for b in back.blocking)
+    assert all(isinstance(f, FuncStat) for f in back.calls)
+    assert all(isinstance(c, ChildStat)
+               for f in back.calls for c in f.children)
+
+
+def test_save_and_load(profiles, tmp_path):
+    p = profiles["/rich"]
+    f = tmp_path / "profile.json"
+    p.save(str(f))
+    assert RequestProfile.load(str(f)) == p
+    json.loads(f.read_text(encoding="utf-8"))
+
+
+def test_to_dict_details(profiles):
+    d = profiles["/rich"].to_dict()
+    assert d["blocking"][0]["schema"] == "greqprof.blocking/1"
+    assert d["blocking"][0]["path"] == "/rich"
+    f = [c for c in d["calls"] if c["name"] == "helper_in_request"][0]
+    assert f["tavg"] == pytest.approx(f["ttot"] / f["ncall"])
+    assert d["longest_span"] in d["spans"]
+    assert d["waiting"]["complete"] is True
+
+
+@pytest.mark.parametrize("bad,word", [
+    ([], "dict"),
+    ({"schema": "greqprof.request_profile/999"}, "schema"),
+    ({"schema": SCHEMA}, "malformed"),
+])
+def test_from_dict_rejects(bad, word):
+    with pytest.raises(ValueError, match=word):
+        RequestProfile.from_dict(bad)
+
+
+def test_from_dict_rejects_unknown_span_field(profiles):
+    d = profiles["/many"].to_dict()
+    d["spans"][0]["bogus"] = 1
+    with pytest.raises(ValueError, match="malformed"):
+        RequestProfile.from_dict(d)
+
+
+# ---------------------------------------------------------------------------
+# the text report
+
+def _field(text, name):
+    m = re.search(r"^  %s: (.*)$" % re.escape(name), text, re.M)
+    assert m, "no %r line in report" % name
+    return m.group(1)
+
+
+def test_report_format(profiles):
+    p = profiles["/rich"]
+    text = p.report()
+    lines = text.split("\n")
+    assert lines[0] == ">>> Begin RequestProfile"
+    assert lines[-1] == "<<< End RequestProfile"
+    assert lines[1] == "  Path: /rich"
+    assert _field(text, "Method") == "GET"
+    assert _field(text, "Status") == "200 OK"
+    assert _field(text, "Request id") == "rid-7"
+    assert _field(text, "Pid") == str(p.pid)
+    assert _field(text, "Elapsed wall time") == "%.1f ms" % (p.wall * 1e3)
+    assert _field(text, "Elapsed CPU time") == "%.1f ms" % (p.cpu * 1e3)
+    assert _field(text, "Number of spans") == str(len(p.spans))
+    assert _field(text, "Greenlets") == str(len(p.greenlets))
+    assert _field(text, "Start time").endswith(" UTC")
+    assert "Spans dropped" not in text and "  Error:" not in text
+    # one block per span, in order
+    assert text.count("Span(") == len(p.spans)
+    ids = [int(x) for x in re.findall(r"^  greenlet_id=(\d+),$", text,
+                                      re.M)]
+    assert ids == [s.greenlet_id for s in p.spans]
+    fns = re.findall(r"^  fn_name=(.*),$", text, re.M)
+    assert fns == [s.fn_name for s in p.spans]
+    assert text.count("  stack_trace=") == len(p.spans)
+    assert len([sp for sp in p.spans if sp.long]) == 1
+    assert re.search(r"^Waiting: \d+\.\d ms while other greenlets ran$",
+                     text, re.M)
+    assert re.search(r"^Blocking span: \d+\.\d ms \(CPU .*\) in greenlet "
+                     r"\d+ ", text, re.M)
+    assert "Functions (by inclusive time, top" in text
+    assert re.search(r"^\s+5\s+5\s.*helper_in_request \(.*test_report\.py:"
+                     r"\d+\)$", text, re.M)
+
+
+def test_long_span_and_blocking_event_both_have_the_stack(profiles):
+    """A long span gets the stack where its greenlet switched out; the
+    blocking event made of the same span shows it too."""
+    p = profiles["/rich"]
+    long = [sp for sp in p.spans if sp.long]
+    assert len(long) == 1
+    assert p.blocking[0].stack
+    assert long[0].stack
+    assert long[0].stack == p.blocking[0].stack
+    assert p.longest_span.stack == long[0].stack
+    text = p.report()
+    assert "  stack_trace=File " in text
+    assert _round_trip(p).spans == p.spans
+
+
+def test_report_is_what_was_logged(profiles, caplog):
+    # the profiles were made (and logged) while setting up the fixture
+    infos = [r.getMessage() for r in caplog.get_records("setup")
+             if r.name == LOGGER and r.levelno == logging.INFO]
+    assert len(infos) == 3
+    for p in profiles.values():
+        assert p.report() in infos
+
+
+def test_report_error_and_escaping(profiles):
+    p = profiles["/error"]
+    assert p.error == "RuntimeError: report me\nsecond line"
+    text = p.report()
+    assert "  Error: RuntimeError: report me\\x0asecond line" in text
+    assert "\nsecond line" not in text
+    assert _field(text, "Status") == "-"
+
+
+def test_report_span_limit_and_dropped(serve):
+    s = serve(rich_app, pct=1.0, max_spans=4)
+    s.get("/many")
+    p = s.profile_for("/many")
+    assert len(p.spans) == 4 and p.dropped_spans > 0
+    text = p.report()
+    assert _field(text, "Number of spans") == str(4 + p.dropped_spans)
+    assert _field(text, "Spans dropped (max_spans reached)") == \
+        str(p.dropped_spans)
+    short = p.report(max_spans=1)
+    assert short.count("Span(") == 1
+    assert "... 3 more spans not shown" in short
+    assert _round_trip(p).report() == text
+
+
+def test_report_long_path_is_capped(serve):
+    s = serve(echo_path, pct=1.0)
+    path = "/" + "x" * 3000
+    assert s.get(path).status == 200
+    p = s.profile_for(path[:2048])
+    assert p.path == path[:2048]
+    line = _field(p.report(), "Path")
+    assert line == path[:1024] + "...[1024 more]"
+
+
+def test_calls_none_without_calls(serve):
+    s = serve(echo_path, pct=1.0, calls=False)
+    s.get("/nocalls")
+    p = s.profile_for("/nocalls")
+    assert p.calls is None
+    assert "Functions (" not in p.report()
+    assert p.to_dict()["calls"] is None
+    assert _round_trip(p) == p
+
+
+def test_greenlet_ids_in_report_match_the_request(serve):
+    gid = []
+
+    def app(environ, start_response):
+        gid.append(current_gid())
+        return echo_path(environ, start_response)
+
+    s = serve(app, pct=1.0)
+    s.get("/gid")
+    text = s.profile_for("/gid").report()
+    assert set(re.findall(r"greenlet_id=(\d+),", text)) == {str(gid[0])}
