@@ -98,7 +98,7 @@ $(VPY):
 	$(VPY) -m pip install -q -U pip setuptools wheel
 
 venv: $(VPY)
-	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn
+	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11'
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
 pytest: venv

@@ -376,7 +376,9 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
             gqp_profile_span_set_tag(p, idx, tag);
         }
     }
-    if (PyList_GET_SIZE(reg_long) >= GQP_PY_MAX_LONG) {
+    if (!st->inherit || PyList_GET_SIZE(reg_long) >= GQP_PY_MAX_LONG) {
+        /* Only the middleware's engines drain blocking records; the
+         * whole-process Profiler just keeps the stack with the span. */
         return;
     }
     PyObject *rec = Py_BuildValue(

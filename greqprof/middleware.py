@@ -282,6 +282,7 @@ class ProfilingMiddleware:
                     sampled_by = req.sampled_by = None
                 else:
                     self._open += 1
+        req.start_ns = _lowlevel.wall_ns()
         if sampled_by is not None:
             try:
                 req.profile = RawProfile(max_spans=cfg.max_spans,
@@ -300,7 +301,6 @@ class ProfilingMiddleware:
                 req.profile = None
                 req.sampled_by = None
                 self._internal_error("open profile", e)
-        req.start_ns = _lowlevel.wall_ns()
         if req.gid is not None:
             eng.requests[req.gid] = req
         if req.profile is not None:
@@ -509,6 +509,8 @@ class ProfilingMiddleware:
                 keep.append(rec)
                 continue
             owner = eng.profile_requests.get(rec[7]) if rec[7] else None
+            if owner is not None and rec[2] < owner.start_ns:
+                owner = None  # a freed profile's address, reused since
             if owner is None:
                 owner = self._request_of_greenlet(eng, rec[1])
             ev = self._blocking_event(eng, rec, owner)

@@ -1,0 +1,199 @@
+"""Command line: serve a WSGI app with the profiler, or render a saved
+profile.
+
+    python -m greqprof serve MODULE:APP [--host 127.0.0.1] [--port 8000]
+        [--pct 1.0] [--calls] [--blocking-ms 100] [--ui]
+        [--profile-dir DIR] [--formats json,trace] [--patch] [--quiet]
+    python -m greqprof view PROFILE.json [--format text] [-o FILE]
+
+Exit status 2 with a message on stderr for a usage or input error."""
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+
+UI_PATH = "/_greqprof"
+
+
+class CliError(Exception):
+    """A problem with the command line or its inputs (exit status 2)."""
+
+
+def _formats():
+    from .renderers import RENDERERS
+    return sorted(RENDERERS)
+
+
+def load_app(spec):
+    """The WSGI callable named by ``MODULE[:ATTR]`` (ATTR may be dotted;
+    default ``application``, then ``app``)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name:
+        raise CliError("expected MODULE:APP, got %r" % spec)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CliError("cannot import module %r: %s" % (module_name, e))
+    names = [attr] if attr else ["application", "app"]
+    for name in names:
+        obj = module
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if not callable(obj):
+            raise CliError("%s:%s is not callable" % (module_name, name))
+        return obj
+    raise CliError("module %r has no attribute %s" % (
+        module_name, " or ".join(repr(n) for n in names)))
+
+
+def cmd_serve(args):
+    from gevent import pywsgi
+
+    from .errors import ConfigError
+    from .middleware import ProfilingMiddleware
+
+    if args.patch:
+        from gevent import monkey
+        monkey.patch_all()
+    app = load_app(args.app)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        mw = ProfilingMiddleware(
+            app, pct=args.pct, calls=args.calls,
+            blocking_ms=args.blocking_ms if args.blocking_ms > 0 else None,
+            ui_path=UI_PATH if args.ui else None,
+            profile_dir=args.profile_dir,
+            formats=args.formats.split(",") if args.formats else None,
+            report=not args.quiet)
+    except ConfigError as e:
+        raise CliError(str(e))
+    try:
+        server = pywsgi.WSGIServer((args.host, args.port), mw,
+                                   log=None if args.quiet else "default")
+        server.start()
+    except OSError as e:
+        raise CliError("cannot listen on %s:%d: %s"
+                       % (args.host, args.port, e))
+    host = server.server_host
+    url = "http://%s:%d" % ("[%s]" % host if ":" in host else host,
+                            server.server_port)
+    print("greqprof: serving %s on %s" % (args.app, url), flush=True)
+    if args.ui:
+        print("greqprof: inspector at %s%s/" % (url, UI_PATH), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_view(args):
+    from .renderers import RenderError, get_renderer
+    from .request_profile import RequestProfile
+
+    renderer = get_renderer(args.format)
+    try:
+        with open(args.profile, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise CliError("no such file: %s" % args.profile)
+    except IsADirectoryError:
+        raise CliError("%s is a directory, not a profile file"
+                       % args.profile)
+    except OSError as e:
+        raise CliError("cannot read %s: %s" % (args.profile, e.strerror))
+    except UnicodeDecodeError:
+        raise CliError("%s is not a JSON profile (not UTF-8 text)"
+                       % args.profile)
+    except json.JSONDecodeError as e:
+        raise CliError("%s is not valid JSON: %s" % (args.profile, e))
+    try:
+        profile = RequestProfile.from_dict(raw)
+    except ValueError as e:
+        raise CliError("%s is not a greqprof profile: %s"
+                       % (args.profile, e))
+    try:
+        out = renderer.render(profile)
+    except RenderError as e:
+        raise CliError(str(e))
+    if args.output in (None, "-"):
+        if renderer.binary:
+            raise CliError("format %s is binary: write it to a file with "
+                           "-o FILE" % args.format)
+        sys.stdout.write(out)
+        sys.stdout.flush()
+        return 0
+    try:
+        with open(args.output, "wb" if renderer.binary else "w",
+                  **({} if renderer.binary else {"encoding": "utf-8"})) as f:
+            f.write(out)
+    except OSError as e:
+        raise CliError("cannot write %s: %s" % (args.output, e.strerror))
+    print("greqprof: wrote %s (%s)" % (args.output, args.format),
+          file=sys.stderr)
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m greqprof",
+        description="greqprof: request profiler for gevent WSGI servers")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("serve", help="serve a WSGI app on gevent.pywsgi "
+                       "with ProfilingMiddleware")
+    s.add_argument("app", metavar="MODULE:APP",
+                   help="the WSGI app, e.g. myproject.wsgi:application")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000,
+                   help="0 picks a free port (default 8000)")
+    s.add_argument("--pct", type=float, default=1.0,
+                   help="share of requests to profile, 0.0-1.0 (default 1)")
+    s.add_argument("--calls", action="store_true",
+                   help="collect function statistics too")
+    s.add_argument("--blocking-ms", type=float, default=100.0,
+                   help="report spans at least this long as blocking "
+                        "(0: off; default 100)")
+    s.add_argument("--ui", action="store_true",
+                   help="serve the inspector at %s/ (loopback clients "
+                        "only)" % UI_PATH)
+    s.add_argument("--profile-dir", metavar="DIR",
+                   help="also write every profile to DIR")
+    s.add_argument("--formats", metavar="F1,F2",
+                   help="formats written to --profile-dir (default json; "
+                        "any of: %s)" % ", ".join(_formats()))
+    s.add_argument("--patch", action="store_true",
+                   help="gevent.monkey.patch_all() before importing the app")
+    s.add_argument("--quiet", action="store_true",
+                   help="no text reports or access log on the console")
+    s.set_defaults(func=cmd_serve)
+
+    v = sub.add_parser("view", help="render a saved profile (JSON)")
+    v.add_argument("profile", metavar="PROFILE.json")
+    v.add_argument("--format", "-f", default="text", choices=_formats(),
+                   help="default: text")
+    v.add_argument("-o", "--output", metavar="FILE",
+                   help="write to FILE (required for binary formats)")
+    v.set_defaults(func=cmd_view)
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as e:
+        parser.exit(2, "%s %s: error: %s\n" % (parser.prog, args.command, e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""The development inspector: a small WSGI sub-app that ProfilingMiddleware
+serves under ``ui_path`` (off unless configured).
+
+Routes (below ``ui_path``, GET unless noted)::
+
+    /                 list of the last ``ui_keep`` profiles, newest first
+    /p/<id>           profile page: timeline + function table
+    /p/<id>.json      the profile's JSON (``view`` reads it back)
+    /p/<id>/<format>  download in another format (trace, speedscope, ...)
+    POST /clear       forgets the kept profiles (the only state change)
+
+Access: by default only loopback clients (REMOTE_ADDR in 127.0.0.0/8 or
+::1) whose Host header is a loopback name, which also defeats DNS
+rebinding.  ``ui_allow`` (addresses or networks) replaces the loopback rule;
+``ui_token`` requires ``?token=`` or an ``X-Greqprof-Token`` header
+(compared in constant time) and, without ``ui_allow``, lets any address in.
+Everyone else gets 403.  Pages carry a strict Content-Security-Policy and
+``Referrer-Policy: no-referrer``; POST /clear also needs the per-process
+form key of the list page (no cross-site request can clear)."""
+import collections
+import datetime
+import hmac
+import html
+import ipaddress
+import itertools
+import re
+import secrets
+import threading
+from urllib.parse import parse_qs, quote, urlencode
+
+from .errors import ConfigError
+from .renderers import RENDERERS, RenderError, get_renderer
+from .renderers.html import HtmlRenderer, asset, content_security_policy
+
+_ID = re.compile(r"^/p/(\d{1,18})(?:(\.json)|/([a-z]{1,20}))?$")
+_LOOPBACK_HOSTS = ("localhost", "localhost.", "ip6-localhost")
+MAX_BODY = 4096
+
+
+def _ip(addr):
+    """The address as an ipaddress object (IPv4-mapped IPv6 addresses, as a
+    dual-stack server reports IPv4 clients, become IPv4), or None."""
+    try:
+        ip = ipaddress.ip_address(str(addr).split("%", 1)[0])
+    except ValueError:
+        return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _is_loopback(addr):
+    ip = _ip(addr)
+    return ip is not None and ip.is_loopback
+
+
+def _host_is_loopback(host):
+    """True when an HTTP Host header names this machine's loopback."""
+    if not host:
+        return True  # HTTP/1.0 without Host: nothing to rebind
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:port
+        name = host[1:].split("]", 1)[0]
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return name in _LOOPBACK_HOSTS or _is_loopback(name)
+
+
+def _networks(allow):
+    if isinstance(allow, str):
+        allow = [allow]
+    nets = []
+    try:
+        for a in allow:
+            nets.append(ipaddress.ip_network(str(a).strip(), strict=False))
+    except (TypeError, ValueError) as e:
+        raise ConfigError("ui_allow must be a list of IP addresses or "
+                          "networks: %s" % e) from None
+    return nets
+
+
+def _ms(seconds):
+    return "-" if seconds is None else "%.1f ms" % (seconds * 1000.0)
+
+
+def _when(ts):
+    try:
+        return datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "-"
+
+
+class Inspector:
+    """The inspector sub-app and its bounded ring of RequestProfiles."""
+
+    def __init__(self, ui_path="/_greqprof", ui_allow=None, ui_token=None,
+                 ui_keep=50):
+        if not isinstance(ui_path, str) or not ui_path.startswith("/") or \
+                ui_path.rstrip("/") == "" or "?" in ui_path or \
+                "#" in ui_path:
+            raise ConfigError("ui_path must be a path like '/_greqprof', got "
+                              "%r" % (ui_path,))
+        if isinstance(ui_keep, bool) or not isinstance(ui_keep, int) or \
+                ui_keep < 1:
+            raise ConfigError("ui_keep must be a positive integer, got %r"
+                              % (ui_keep,))
+        if ui_token is not None and (not isinstance(ui_token, str)
+                                     or len(ui_token) < 8):
+            raise ConfigError("ui_token must be a string of at least 8 "
+                              "characters")
+        self.path = ui_path.rstrip("/")
+        self.allow = _networks(ui_allow) if ui_allow is not None else None
+        self._token = ui_token.encode("utf-8") if ui_token else None
+        self.keep = ui_keep
+        self._ring = collections.deque(maxlen=ui_keep)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._form_key = secrets.token_urlsafe(24)
+        self._html = HtmlRenderer()
+
+    def __repr__(self):
+        return "<Inspector %s keep=%d>" % (self.path, self.keep)
+
+    # -- the ring ---------------------------------------------------------
+    def add(self, profile):
+        with self._lock:
+            self._ring.append((next(self._ids), profile))
+
+    def profiles(self):
+        """[(id, RequestProfile)], newest first."""
+        with self._lock:
+            return list(reversed(self._ring))
+
+    def get(self, pid):
+        with self._lock:
+            for i, p in self._ring:
+                if i == pid:
+                    return p
+        return None
+
+    def clear(self):
+        with self._lock:
+            self._ring.clear()
+
+    # -- routing ----------------------------------------------------------
+    def matches(self, environ):
+        p = environ.get("PATH_INFO", "")
+        return p == self.path or p.startswith(self.path + "/")
+
+    def allowed(self, environ):
+        """The access rule (see the module doc)."""
+        addr = environ.get("REMOTE_ADDR", "")
+        if self.allow is not None:
+            ip = _ip(addr)
+            if ip is None or not any(ip in n for n in self.allow):
+                return False
+        elif self._token is None:
+            if not _is_loopback(addr) or \
+                    not _host_is_loopback(environ.get("HTTP_HOST", "")):
+                return False
+        if self._token is not None:
+            given = environ.get("HTTP_X_GREQPROF_TOKEN")
+            if given is None:
+                given = (parse_qs(environ.get("QUERY_STRING", ""))
+                         .get("token", [None])[0])
+            if given is None or not hmac.compare_digest(
+                    given.encode("utf-8", "replace"), self._token):
+                return False
+        return True
+
+    def __call__(self, environ, start_response):
+        if not self.allowed(environ):
+            return self._plain(start_response, "403 Forbidden",
+                               "greqprof inspector: forbidden\n")
+        sub = environ.get("PATH_INFO", "")[len(self.path):] or "/"
+        method = environ.get("REQUEST_METHOD", "GET")
+        if sub == "/clear":
+            if method != "POST":
+                return self._plain(start_response, "405 Method Not Allowed",
+                                   "POST only\n", [("Allow", "POST")])
+            return self._clear(environ, start_response)
+        if method not in ("GET", "HEAD"):
+            return self._plain(start_response, "405 Method Not Allowed",
+                               "GET only\n", [("Allow", "GET, HEAD")])
+        if sub == "/":
+            return self._list(environ, start_response)
+        m = _ID.match(sub)
+        if m:
+            profile = self.get(int(m.group(1)))
+            if profile is None:
+                return self._plain(start_response, "404 Not Found",
+                                   "no such profile (only the last %d are "
+                                   "kept)\n" % self.keep)
+            if m.group(2):
+                return self._export(start_response, profile, "json",
+                                    int(m.group(1)), inline=True)
+            if m.group(3):
+                if m.group(3) not in RENDERERS:
+                    return self._plain(start_response, "404 Not Found",
+                                       "unknown format\n")
+                return self._export(start_response, profile, m.group(3),
+                                    int(m.group(1)))
+            return self._profile_page(environ, start_response, profile,
+                                      int(m.group(1)))
+        return self._plain(start_response, "404 Not Found", "not found\n")
+
+    # -- responses --------------------------------------------------------
+    @staticmethod
+    def _headers(ctype, extra=()):
+        return [("Content-Type", ctype), ("Cache-Control", "no-store"),
+                ("X-Content-Type-Options", "nosniff"),
+                ("Referrer-Policy", "no-referrer"),
+                ("X-Frame-Options", "DENY")] + list(extra)
+
+    def _plain(self, start_response, status, text, extra=()):
+        body = text.encode("utf-8")
+        start_response(status, self._headers(
+            "text/plain; charset=utf-8",
+            [("Content-Length", str(len(body)))] + list(extra)))
+        return [body]
+
+    def _html_response(self, start_response, text, csp):
+        body = text.encode("utf-8")
+        start_response("200 OK", self._headers(
+            "text/html; charset=utf-8",
+            [("Content-Length", str(len(body))),
+             ("Content-Security-Policy", csp + "; frame-ancestors 'none'")]))
+        return [body]
+
+    def _url(self, environ, sub):
+        """Absolute path of an inspector URL, keeping ?token= when the
+        client authenticated that way."""
+        url = quote(environ.get("SCRIPT_NAME", "") + self.path + sub)
+        qs = parse_qs(environ.get("QUERY_STRING", ""))
+        if self._token is not None and "token" in qs:
+            url += "?" + urlencode({"token": qs["token"][0]})
+        return url
+
+    def _list(self, environ, start_response):
+        esc = html.escape
+        rows = []
+        for i, p in self.profiles():
+            link = self._url(environ, "/p/%d" % i)
+            blocked = len(p.blocking)
+            rows.append(
+                '<tr class="gq-profile-row%s" data-id="%d">'
+                '<td class="gq-num">%d</td><td>%s</td><td>%s</td>'
+                '<td class="gq-path"><a href="%s">%s</a></td><td>%s</td>'
+                '<td class="gq-num">%s</td><td class="gq-num">%s</td>'
+                '<td class="gq-num">%d</td><td class="gq-num">%d</td>'
+                '<td class="gq-num">%s</td><td>%s</td></tr>' % (
+                    " gq-blocked" if blocked else "", i, i,
+                    esc(_when(p.start)), esc(p.method),
+                    esc(link, quote=True), esc(p.path), esc(p.status or "-"),
+                    _ms(p.wall), _ms(p.cpu), len(p.spans) + p.dropped_spans,
+                    len(p.greenlets),
+                    ('<span class="gq-yes">%d</span>' % blocked
+                     if blocked else "0"),
+                    esc(p.error or "")))
+        if not rows:
+            table = ('<p class="gq-note gq-empty">No profiles yet. Requests '
+                     'the middleware samples (pct, or the trigger header) '
+                     'appear here; the last %d are kept.</p>' % self.keep)
+        else:
+            table = (
+                '<table class="gq-table gq-profiles"><thead><tr>'
+                '<th class="gq-num">#</th><th>time</th><th>method</th>'
+                '<th>path</th><th>status</th><th class="gq-num">wall</th>'
+                '<th class="gq-num">CPU</th><th class="gq-num">spans</th>'
+                '<th class="gq-num">greenlets</th>'
+                '<th class="gq-num">blocked</th><th>error</th></tr></thead>'
+                '<tbody>%s</tbody></table>' % "".join(rows))
+        css = asset("timeline.css")
+        csp = content_security_policy(styles=[css])
+        page = (
+            '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            '<meta name="referrer" content="no-referrer">'
+            '<meta name="viewport" content="width=device-width, '
+            'initial-scale=1"><title>greqprof inspector</title>'
+            '<style>%s</style></head><body>'
+            '<header class="gq-top"><span class="gq-brand">greqprof</span>'
+            '<span>development inspector: the last %d sampled requests of '
+            'this process, newest first</span></header><main>'
+            '<h1>Profiles (%d)</h1>'
+            '<div class="gq-list-actions"><a href="%s">Refresh</a>'
+            '<form method="post" action="%s">'
+            '<input type="hidden" name="key" value="%s">'
+            '<button type="submit" class="gq-clear">Clear</button></form>'
+            '</div>%s</main></body></html>' % (
+                css, self.keep, len(rows),
+                esc(self._url(environ, "/"), quote=True),
+                esc(self._url(environ, "/clear"), quote=True),
+                esc(self._form_key, quote=True), table))
+        return self._html_response(start_response, page, csp)
+
+    def _profile_page(self, environ, start_response, profile, pid):
+        nav = [("\u2190 all profiles", self._url(environ, "/")),
+               ("download:", None)]
+        nav.append(("json", self._url(environ, "/p/%d.json" % pid)))
+        for name in ("trace", "speedscope", "pstats", "callgrind", "html",
+                     "text"):
+            r = RENDERERS.get(name)
+            if r is None or (r.needs_calls and not profile.calls):
+                continue
+            nav.append((name, self._url(environ, "/p/%d/%s" % (pid, name))))
+        text, csp = self._html.page(profile, nav=nav)
+        return self._html_response(start_response, text, csp)
+
+    def _export(self, start_response, profile, fmt, pid, inline=False):
+        r = get_renderer(fmt)
+        try:
+            data = r.render(profile)
+        except RenderError as e:
+            return self._plain(start_response, "404 Not Found",
+                               "%s\n" % e)
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        ctype = {"json": "application/json", "trace": "application/json",
+                 "speedscope": "application/json",
+                 "html": "text/html; charset=utf-8",
+                 "text": "text/plain; charset=utf-8"}.get(
+                     fmt, "application/octet-stream")
+        extra = [("Content-Length", str(len(data)))]
+        if not inline:
+            extra.append(("Content-Disposition", 'attachment; filename="%s"'
+                          % r.filename("greqprof-%d" % pid)))
+        if fmt == "html":
+            # Served as a download; still sandboxed if a browser shows it.
+            extra.append(("Content-Security-Policy", "sandbox"))
+        start_response("200 OK", self._headers(ctype, extra))
+        return [data]
+
+    def _clear(self, environ, start_response):
+        try:
+            length = min(int(environ.get("CONTENT_LENGTH") or 0), MAX_BODY)
+        except ValueError:
+            length = 0
+        body = environ["wsgi.input"].read(length) if length > 0 else b""
+        key = parse_qs(body.decode("latin-1")).get("key", [""])[0]
+        if not hmac.compare_digest(key.encode("latin-1", "replace"),
+                                   self._form_key.encode("ascii")):
+            return self._plain(start_response, "403 Forbidden",
+                               "greqprof inspector: missing or wrong form "
+                               "key\n")
+        self.clear()
+        start_response("303 See Other", self._headers(
+            "text/plain; charset=utf-8",
+            [("Location", self._url(environ, "/")),
+             ("Content-Length", "0")]))
+        return [b""]
+
+
+class ProfileOutputs:
+    """What ProfilingMiddleware does with each finished profile besides
+    logging it: write it to ``profile_dir`` and keep it for the inspector.
+
+    ``ui`` is the :class:`Inspector` (None when ``ui_path`` is not set),
+    ``writer`` the :class:`~greqprof.renderers.files.ProfileWriter` (None
+    without ``profile_dir``)."""
+
+    def __init__(self, calls, profile_dir=None, formats=None, ui_path=None,
+                 ui_allow=None, ui_token=None, ui_keep=50):
+        self.writer = None
+        self.ui = None
+        if formats is not None and profile_dir is None:
+            raise ConfigError("formats needs profile_dir")
+        if ui_path is None and (ui_allow is not None or
+                                ui_token is not None):
+            raise ConfigError("ui_allow and ui_token need ui_path")
+        if profile_dir is not None:
+            from .renderers.files import ProfileWriter
+            self.writer = ProfileWriter(profile_dir, formats or ("json",),
+                                        calls=calls)
+        if ui_path is not None:
+            self.ui = Inspector(ui_path, ui_allow=ui_allow, ui_token=ui_token,
+                                ui_keep=ui_keep)
+
+    @classmethod
+    def create(cls, calls, **options):
+        """None when no option asks for anything (the default)."""
+        if all(options.get(k) is None for k in
+               ("profile_dir", "formats", "ui_path", "ui_allow", "ui_token")):
+            return None
+        return cls(calls, **options)
+
+    def deliver(self, profile, on_error):
+        """Keeps and writes ``profile``; failures go to ``on_error(where,
+        exc)`` and never reach the app."""
+        if self.ui is not None:
+            try:
+                self.ui.add(profile)
+            except Exception as e:
+                on_error("inspector", e)
+        if self.writer is not None:
+            try:
+                self.writer.write(profile)
+            except Exception as e:
+                on_error("profile_dir", e)

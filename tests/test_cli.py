@@ -1,0 +1,239 @@
+"""``python -m greqprof`` (serve / view), run as real subprocesses."""
+import json
+import marshal
+import os
+import pstats
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import requests
+
+from greqprof import RequestProfile
+
+from test_renderers import HOSTILE, synthetic_profile
+
+pytestmark = pytest.mark.timeout(60)
+
+APP = textwrap.dedent('''
+    import time
+    import gevent
+
+    def work(n):
+        end = time.thread_time() + n
+        while time.thread_time() < end:
+            pass
+
+    def app(environ, start_response):
+        gevent.spawn(work, 0.002).join()
+        work(0.002)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"hello"]
+
+    not_callable = 42
+''')
+
+
+def cli(*args, cwd=None, timeout=30):
+    return subprocess.run([sys.executable, "-m", "greqprof"] + list(args),
+                          capture_output=True, timeout=timeout, cwd=cwd)
+
+
+def fails(r, *needles):
+    """Exit status 2 and a message naming the problem."""
+    err = r.stderr.decode()
+    assert r.returncode == 2, (r.returncode, err)
+    for n in needles:
+        assert n in err, (n, err)
+    assert "Traceback" not in err, err
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(str(path))
+    return path
+
+
+# ---------------------------------------------------------------------------
+# view
+
+def test_view_default_is_text(saved):
+    r = cli("view", str(saved))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    assert out.startswith(">>> Begin RequestProfile")
+    assert "Path: /items/42" in out
+
+
+@pytest.mark.parametrize("fmt", ["html", "trace", "speedscope", "json",
+                                 "callgrind"])
+def test_view_text_formats_to_stdout(saved, fmt):
+    r = cli("view", str(saved), "--format", fmt)
+    assert r.returncode == 0, r.stderr
+    if fmt in ("trace", "speedscope", "json"):
+        json.loads(r.stdout)
+    if fmt == "json":
+        back = RequestProfile.from_dict(json.loads(r.stdout))
+        assert back.to_dict() == synthetic_profile().to_dict()
+    if fmt == "html":
+        assert r.stdout.startswith(b"<!DOCTYPE html>")
+    if fmt == "callgrind":
+        assert b"events: us" in r.stdout
+
+
+def test_view_to_file(saved, tmp_path):
+    out_path = tmp_path / "out.html"
+    r = cli("view", str(saved), "-f", "html", "-o", str(out_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"" and b"wrote" in r.stderr
+    assert out_path.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_view_pstats_needs_output(saved, tmp_path):
+    fails(cli("view", str(saved), "--format", "pstats"),
+          "binary", "-o FILE")
+    out = tmp_path / "p.pstats"
+    r = cli("view", str(saved), "--format", "pstats", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    st = pstats.Stats(str(out))
+    assert ("app.py", 10, "handler") in st.stats
+    assert marshal.loads(out.read_bytes()) == st.stats
+
+
+def test_view_errors(tmp_path, saved):
+    fails(cli("view", str(tmp_path / "missing.json")),
+          "no such file", "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    fails(cli("view", str(bad)), "not valid JSON", "bad.json")
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    fails(cli("view", str(binary)), "not a JSON profile")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": "something/9"}))
+    fails(cli("view", str(other)), "not a greqprof profile",
+          "unsupported profile schema")
+    lst = tmp_path / "list.json"
+    lst.write_text("[1, 2]")
+    fails(cli("view", str(lst)), "not a greqprof profile")
+    fails(cli("view", str(tmp_path)), "is a directory")
+    fails(cli("view", str(saved), "--format", "svg"),
+          "invalid choice: 'svg'")
+    nocalls = tmp_path / "nocalls.json"
+    synthetic_profile(calls=False).save(str(nocalls))
+    fails(cli("view", str(nocalls), "-f", "callgrind"),
+          "needs function statistics", "calls=True")
+    fails(cli("view", str(saved), "-o",
+              str(tmp_path / "no" / "such" / "dir" / "x")), "cannot write")
+    fails(cli(), "COMMAND")
+
+
+def test_view_hostile_path_text_is_escaped(tmp_path):
+    path = tmp_path / "h.json"
+    synthetic_profile(path="/x\nForged: yes" + HOSTILE).save(str(path))
+    r = cli("view", str(path))
+    assert r.returncode == 0
+    assert b"\nForged: yes" not in r.stdout
+
+
+# ---------------------------------------------------------------------------
+# serve
+
+class Server:
+    def __init__(self, proc, url):
+        self.proc = proc
+        self.url = url
+
+
+def start_serve(tmp_path, *args):
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    with open(str(tmp_path / "stderr.txt"), "wb") as err:  # never a full pipe
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "greqprof", "serve", "cli_test_app:app",
+             "--port", "0"] + list(args),
+            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err)
+    line = proc.stdout.readline().decode()
+    m = re.search(r"serving cli_test_app:app on (http://\S+)", line)
+    if not m:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("no serving line: %r %r" % (
+            line, (tmp_path / "stderr.txt").read_text()[:2000]))
+    return Server(proc, m.group(1))
+
+
+def stop(server):
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+    server.proc.stdout.close()
+
+
+def test_serve_profiles_and_writes_files(tmp_path):
+    out = tmp_path / "profiles"
+    srv = start_serve(tmp_path, "--pct", "1.0", "--calls", "--ui",
+                      "--profile-dir", str(out), "--formats", "json,pstats",
+                      "--quiet")
+    try:
+        assert "/_greqprof/" in srv.proc.stdout.readline().decode()
+        r = requests.get(srv.url + "/hello/world", timeout=10)
+        assert r.status_code == 200 and r.text == "hello"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            files = sorted(os.listdir(str(out))) if out.exists() else []
+            if len(files) >= 2:
+                break
+            time.sleep(0.05)
+        assert len(files) == 2, files
+        js = [f for f in files if f.endswith(".json")][0]
+        assert re.match(r"\d{8}T\d{6}\.\d{6}Z-\d+-hello_world-1\.json$", js)
+        prof = RequestProfile.load(str(out / js))
+        assert prof.path == "/hello/world" and prof.calls
+        assert any(f.name == "work" for f in prof.calls)
+        assert len({s.greenlet_id for s in prof.spans}) >= 2
+        pstats.Stats(str(out / js.replace(".json", ".pstats")))
+        # the inspector lists it (loopback client)
+        page = requests.get(srv.url + "/_greqprof/", timeout=10)
+        assert page.status_code == 200
+        assert "/hello/world" in page.text
+    finally:
+        stop(srv)
+    # the saved profile renders later
+    r = cli("view", str(out / js), "-f", "html")
+    assert r.returncode == 0 and b"gq-data" in r.stdout
+
+
+def test_serve_without_ui_passes_the_path_to_the_app(tmp_path):
+    srv = start_serve(tmp_path, "--pct", "0", "--quiet")
+    try:
+        r = requests.get(srv.url + "/_greqprof/", timeout=10)
+        assert r.status_code == 200 and r.text == "hello"  # the app's
+    finally:
+        stop(srv)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("no_such_module_xyz:app", "cannot import module 'no_such_module_xyz'"),
+    ("cli_test_app:nope", "has no attribute 'nope'"),
+    ("cli_test_app:not_callable", "is not callable"),
+    (":app", "expected MODULE:APP"),
+])
+def test_serve_bad_app(tmp_path, spec, needle):
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    fails(cli("serve", spec, cwd=str(tmp_path)), needle)
+
+
+def test_serve_bad_option(tmp_path):
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    fails(cli("serve", "cli_test_app:app", "--pct", "7",
+              cwd=str(tmp_path)), "pct must be")
+    fails(cli("serve", "cli_test_app:app", "--profile-dir", str(tmp_path),
+              "--formats", "json,bmp", cwd=str(tmp_path)),
+          "unknown format 'bmp'")
