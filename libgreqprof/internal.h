@@ -89,7 +89,9 @@ typedef struct gqp__gstat {
 struct gqp_profile {
     uint32_t magic;
     _Atomic uint32_t refs; /* dropped by tracers and by the owner */
-    uint64_t serial;      /* process-unique, for history comparisons */
+    uint64_t serial;      /* process-unique identity (span history)    */
+    uint64_t generation;  /* new at creation and at every clear: call
+                             stacks built against older tables are void */
     _Atomic uint32_t attached; /* live greenlets routed here by tracers */
     bool closed;
     bool has_data;
@@ -108,8 +110,10 @@ struct gqp_profile {
 #define GQP__DEAD_MAGIC 0xdeadbeefu
 
 GQP__HIDDEN bool gqp__profile_live(const gqp_profile *p);
-/* Adds a closed span to the profile; returns kept index or SIZE_MAX. */
-GQP__HIDDEN size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s);
+/* Adds a closed span to the profile; returns kept index or SIZE_MAX.
+ * *dropped is set when the span or the greenlet's totals were dropped. */
+GQP__HIDDEN size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s,
+                                         bool *dropped);
 GQP__HIDDEN gqp__gstat *gqp__profile_gstat(gqp_profile *p, uint64_t id);
 GQP__HIDDEN uint64_t gqp__next_serial(void);
 GQP__HIDDEN uint64_t gqp__next_greenlet_id(void);

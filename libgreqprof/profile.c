@@ -37,6 +37,7 @@ GQP_API int gqp_profile_new(gqp_profile **out)
     p->magic = GQP__PROFILE_MAGIC;
     p->refs = 1;
     p->serial = gqp__next_serial();
+    p->generation = gqp__next_serial();
     p->max_name = 255;
     p->max_greenlets = 65536;
     gqp__spans_init(&p->spans, 10000, GQP_KEEP_FIRST);
@@ -181,9 +182,9 @@ GQP_API int gqp_profile_clear(gqp_profile *p)
     }
     gqp__spans_clear(&p->spans);
     gqp__calls_clear(&p->calls);
-    /* A new serial makes tracers drop call stacks that index the old
+    /* A new generation makes tracers drop call stacks that index the old
      * tables. */
-    p->serial = gqp__next_serial();
+    p->generation = gqp__next_serial();
     free_gstats(p);
     gqp__map_clear(&p->gindex);
     p->greenlets_dropped = 0;
@@ -193,10 +194,12 @@ GQP_API int gqp_profile_clear(gqp_profile *p)
 
 /* ---- spans ------------------------------------------------------------ */
 
-size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s)
+size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s,
+                             bool *dropped)
 {
     p->has_data = true;
     gqp__gstat *g = gqp__profile_gstat(p, s->greenlet_id);
+    *dropped = g == NULL;
     if (g) {
         gqp_greenlet_stat *st = &g->pub;
         int64_t wall = s->end_ns - s->start_ns;
@@ -216,7 +219,14 @@ size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s)
             st->finished = 1;
         }
     }
-    return gqp__spans_push(&p->spans, s);
+    size_t idx = gqp__spans_push(&p->spans, s);
+    if (idx == SIZE_MAX || (p->spans.policy == GQP_KEEP_LAST &&
+                            p->spans.dropped && idx == p->spans.len - 1 &&
+                            p->spans.len == p->spans.cap)) {
+        /* Dropped, or kept by evicting the oldest. */
+        *dropped = true;
+    }
+    return idx;
 }
 
 GQP_API size_t gqp_profile_span_count(const gqp_profile *p)

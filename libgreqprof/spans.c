@@ -92,5 +92,7 @@ gqp_span *gqp__spans_at(const gqp__spans *s, size_t i)
     if (i >= s->len) {
         return NULL;
     }
-    return &s->buf[(s->head + i) % (s->alloc ? s->alloc : 1)];
+    /* Writes wrap at cap (alloc may be larger after caps were lowered by a
+     * clear); before the ring is full head is 0. */
+    return &s->buf[(s->head + i) % s->cap];
 }

@@ -26,7 +26,8 @@ typedef struct gqp__greenlet {
     int64_t span_start;     /* wall ns */
     int64_t span_cpu0;      /* estimated CPU clock at span start */
     int64_t cpu_total;      /* CPU of finished spans (greenlet clock base) */
-    uint64_t stack_serial;  /* profile the frames' indexes refer to */
+    uint64_t stack_serial;  /* profile generation the frames' indexes
+                               refer to */
     frame *stack;
     uint32_t depth, alloc;
     uint32_t lost;          /* frames above max_depth, not stored */
@@ -471,9 +472,9 @@ static gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
     if (!p && t->deflt && !t->deflt->closed) {
         p = t->deflt;
     }
-    uint64_t serial = p ? p->serial : 0;
-    if (serial != g->stack_serial) {
-        reset_stack(g, serial);
+    uint64_t gen = p ? p->generation : 0;
+    if (gen != g->stack_serial) {
+        reset_stack(g, gen);
     }
     return p;
 }
@@ -523,8 +524,9 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
     gqp_profile *p = effective(t, g);
     size_t idx = SIZE_MAX;
     if (p) {
-        idx = gqp__profile_add_span(p, &s);
-        if (idx == SIZE_MAX) {
+        bool dropped;
+        idx = gqp__profile_add_span(p, &s, &dropped);
+        if (dropped) {
             ev |= GQP_EV_DROPPED;
         }
     }
@@ -826,7 +828,7 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
     set_profile(g, p);
     set_spawn(g, NULL);
     gqp_profile *eff = effective(t, g);
-    reset_stack(g, eff ? eff->serial : 0);
+    reset_stack(g, eff ? eff->generation : 0);
     return ev & GQP_EV_LONG_SPAN;
 }
 
@@ -849,21 +851,23 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
         }
         p = t->tombs[i].profile;
     }
+    /* create() may release the tomb that holds p (same key): keep it. */
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    int rc = GQP_OK;
     gqp__greenlet *cg = lookup(t, child);
     if (!cg) {
         cg = create(t, child);
         if (!cg) {
-            return t->gmap.len >= t->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
+            rc = t->gmap.len >= t->max_greenlets ? GQP_ELIMIT : GQP_ENOMEM;
         }
     }
-    if (cg == pg) {
-        return GQP_OK;
+    if (cg && cg != pg) {
+        set_profile(cg, p && !p->closed ? p : NULL);
     }
-    if (p && p->closed) {
-        p = NULL;
-    }
-    set_profile(cg, p);
-    return GQP_OK;
+    gqp_profile_free(p);
+    return rc;
 }
 
 GQP_API int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
@@ -1031,6 +1035,20 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
     uint64_t serial = mine ? mine->serial : 0;
     gqp__map acc; /* greenlet id -> ns waited on it */
     gqp__map_init(&acc);
+    gqp__map now_mine; /* ids of live greenlets attached to mine now */
+    gqp__map_init(&now_mine);
+    if (mine && atomic_load(&mine->attached) > 0) {
+        for (size_t i = 0; i < t->gmap.cap; i++) {
+            gqp__greenlet *g = t->gmap.keys[i]
+                ? (gqp__greenlet *)(uintptr_t)t->gmap.vals[i] : NULL;
+            bool added;
+            if (g && g->profile == mine &&
+                !gqp__map_put(&now_mine, g->id, &added)) {
+                gqp__map_free(&now_mine);
+                return GQP_ENOMEM;
+            }
+        }
+    }
     int64_t total = 0;
     for (size_t k = 0; k < t->hist_len; k++) {
         const hist_entry *h = &t->hist[(t->hist_head + k) % t->hist_cap];
@@ -1038,7 +1056,8 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
             continue;
         }
         if (serial && (h->serial == serial ||
-                       gqp__map_get(&mine->gindex, h->greenlet_id))) {
+                       gqp__map_get(&mine->gindex, h->greenlet_id) ||
+                       gqp__map_get(&now_mine, h->greenlet_id))) {
             continue; /* one of mine ran, attached or not at the time */
         }
         int64_t a = h->start > start_ns ? h->start : start_ns;
@@ -1049,6 +1068,7 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
             uint64_t *v = gqp__map_put(&acc, h->greenlet_id, &added);
             if (!v) {
                 gqp__map_free(&acc);
+                gqp__map_free(&now_mine);
                 return GQP_ENOMEM;
             }
             *v += (uint64_t)(b - a);
@@ -1074,6 +1094,7 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         ns[j] = d;
     }
     gqp__map_free(&acc);
+    gqp__map_free(&now_mine);
     *total_ns = total;
     if (complete) {
         *complete = t->hist_overwritten_end == 0 ||

@@ -155,9 +155,9 @@ GQP_API int gqp_profile_get(const gqp_profile *p, gqp_profile_param param,
  * is attached to.  gqp_profile_free drops the caller's reference. */
 GQP_API int gqp_profile_retain(gqp_profile *p);
 GQP_API void gqp_profile_free(gqp_profile *p);
-/* Closes the profile: no more data is accepted (events for greenlets still
- * attached are ignored and the attachment is dropped lazily).  Closing twice
- * returns GQP_ESTATE. */
+/* Closes the profile: no more data is accepted.  Greenlets still attached
+ * to it are detached at their next event and go back to their tracer's
+ * default profile.  Closing twice returns GQP_ESTATE. */
 GQP_API int gqp_profile_close(gqp_profile *p);
 GQP_API int gqp_profile_is_closed(const gqp_profile *p);
 /* Number of live greenlets whose spans currently go to the profile. */
@@ -296,7 +296,9 @@ GQP_API int gqp_tracer_set_clocks(gqp_tracer *t, gqp_clock_fn wall,
  * for them).  Takes a reference. */
 GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p);
 
-/* Events.  `from` may be 0 for "nothing was running" (the first event). */
+/* Events.  `from` may be 0 for "nothing was running" (the first event, or
+ * the first after a flush): the target's span then has GQP_SPAN_CONTINUED
+ * (tracing began while it ran) and does not count as a switch. */
 GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
                               unsigned flags);
 GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func);
@@ -304,8 +306,11 @@ GQP_API int gqp_tracer_return(gqp_tracer *t);
 
 /* Routes a greenlet's future spans and calls to p (NULL: back to the
  * default).  When the greenlet is running, its current span is split at
- * this instant so p receives only the part after it.  Its call stack starts
- * afresh: frames entered before are not charged to p. */
+ * this instant so p receives only the part after it (the part before goes
+ * where the greenlet was routed, with its open frames unwound into it).
+ * Its call stack starts afresh: frames entered before are not charged to
+ * p.  Returns GQP_OK, or GQP_EV_LONG_SPAN (> 0) when the span it split was
+ * long (see gqp_tracer_last_span), or a negative error. */
 GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
                               gqp_profile *p);
 /* Gives child the profile of parent (used when child is first seen): the
