@@ -98,7 +98,9 @@ $(VPY):
 	$(VPY) -m pip install -q -U pip setuptools wheel
 
 venv: $(VPY)
-	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11'
+	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' \
+	  opentelemetry-api opentelemetry-sdk opentelemetry-instrumentation-wsgi \
+	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
 pytest: venv

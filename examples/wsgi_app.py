@@ -15,9 +15,12 @@ import logging
 import time
 
 import gevent
-from gevent import pywsgi
+from gevent import monkey, pywsgi
 
 from greqprof import ProfilingMiddleware
+
+
+real_sleep = monkey.get_original("time", "sleep")
 
 
 def burn(n):
@@ -45,7 +48,9 @@ def index(environ, start_response):
 
 
 def block(environ, start_response):
-    time.sleep(0.3)  # not monkey-patched on purpose: holds the event loop
+    # The real time.sleep even under gevent.monkey (gunicorn's gevent
+    # worker patches it): holds the event loop on purpose.
+    real_sleep(0.3)
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"blocked the loop for 300 ms\n"]
 

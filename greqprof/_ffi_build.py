@@ -119,6 +119,7 @@ gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err);
 int gqp_py_thread_stop(gqp_py_thread *st);
 int gqp_py_thread_is_current(gqp_py_thread *st);
 int gqp_py_calls(gqp_py_thread *st, int on);
+int gqp_py_reinstall_calls(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);
 int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);

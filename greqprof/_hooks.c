@@ -758,6 +758,25 @@ static int gqp_py_calls(gqp_py_thread *st, int on)
     return rc;
 }
 
+/* Installs the call hook again in st's own thread after other code
+ * replaced it with sys.setprofile (gevent's green threads do, through
+ * threading.setprofile); the replaced hook is not chained. */
+static int gqp_py_reinstall_calls(gqp_py_thread *st)
+{
+    if (!st) {
+        return GQP_EINVAL;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int rc = GQP_OK;
+    if (gqp__tls != st || !st->active || !st->calls) {
+        rc = GQP_ESTATE;
+    } else if (st->profile_installed) {
+        PyEval_SetProfile(gqp__profile, st->ref);
+    }
+    PyGILState_Release(gs);
+    return rc;
+}
+
 /* 1 when st is the calling thread's hook state. */
 static int gqp_py_thread_is_current(gqp_py_thread *st)
 {

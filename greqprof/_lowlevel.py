@@ -10,6 +10,23 @@ from .errors import LibraryError, ProfilerStateError
 NS = 1e-9
 
 
+def _original(module, name):
+    """The unpatched function even under gevent.monkey (greqprof works with
+    OS threads: a patched get_ident names the greenlet, not the thread)."""
+    try:
+        from gevent import monkey
+        return monkey.get_original(module, name)
+    except Exception:  # no gevent, or never patched
+        mod = __import__(module)
+        return getattr(mod, name)
+
+
+#: the OS thread id, as libgreqprof and sys._current_frames() know it
+real_get_ident = _original("_thread", "get_ident")
+#: thread-local storage of OS threads (not greenlet-local under patching)
+RealThreadLocal = _original("_thread", "_local")
+
+
 def _check(rc, what):
     if rc < 0:
         name = ffi.string(lib.gqp_err_name(rc)).decode()
@@ -172,13 +189,17 @@ class RawTracer:
                 -4: "greenlet.settrace() failed",
             }.get(err[0], "error %d" % err[0])
             raise ProfilerStateError("cannot start profiling: " + reason)
-        import threading
         self.hooks = st
-        self.thread_ident = threading.get_ident()
+        self.thread_ident = real_get_ident()
 
     def set_calls(self, on):
         """Turns the call hook on/off; only from the installing thread."""
         _check(lib.gqp_py_calls(self.hooks, 1 if on else 0), "set_calls")
+
+    def reinstall_calls(self):
+        """Puts the call hook back after something replaced it in this
+        thread (only from the installing thread)."""
+        _check(lib.gqp_py_reinstall_calls(self.hooks), "reinstall_calls")
 
     def uninstall(self):
         if self.hooks is None:

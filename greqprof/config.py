@@ -4,6 +4,7 @@ Operators who cannot edit code set ``GREQPROF_*`` variables; they are read
 once, when the middleware is constructed.  Arguments given in code win.  An
 invalid value fails at start-up with a ConfigError naming the variable.
 """
+import math
 import os
 
 from .errors import ConfigError
@@ -43,7 +44,8 @@ def _float(lo=None, hi=None, allow_off=False):
             x = float(v)
         except ValueError:
             raise ConfigError("%s=%r: not a number" % (var, raw)) from None
-        if x != x or (lo is not None and x < lo) or (hi is not None and x > hi):
+        if not math.isfinite(x) or (lo is not None and x < lo) or \
+                (hi is not None and x > hi):
             raise ConfigError("%s=%r: must be between %s and %s"
                               % (var, raw, lo, "inf" if hi is None else hi))
         return x
@@ -130,12 +132,36 @@ def resolve(explicit, environ=None):
             raise ConfigError("unknown environment variable %s (known: %s)"
                               % (var, ", ".join(sorted(VARIABLES))))
     out = dict(explicit)
+    sources = {}
     for var, (opt, parse, default) in VARIABLES.items():
         if opt in out and out[opt] is not UNSET:
             continue
         raw = env.get(var)
-        out[opt] = parse(var, raw) if raw is not None else default
+        if raw is not None:
+            out[opt] = parse(var, raw)
+            sources[opt] = var
+        else:
+            out[opt] = default
+    out["_sources"] = sources
     return out
+
+
+def name_source(error, sources):
+    """A ConfigError about options that came from the environment, with
+    the variables named (validation that needs several options runs after
+    parsing, where only option names are known)."""
+    text = str(error)
+    named = [var for opt, var in sorted(sources.items()) if opt in text]
+    if not named:
+        return error
+    # Options the message names that nothing set: say which variable would.
+    missing = [var for opt, var in sorted(ENV_OPTIONS.items())
+               if opt in text and opt not in sources
+               and var not in named]
+    note = "set by %s" % ", ".join(named)
+    if missing:
+        note += "; not set: %s" % ", ".join(missing)
+    return ConfigError("%s (%s)" % (text, note))
 
 
 #: variables used by tests and tools, not by the middleware

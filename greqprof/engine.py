@@ -15,11 +15,11 @@ import threading
 import weakref
 
 from . import _lowlevel
-from ._lowlevel import RawTracer
+from ._lowlevel import RawTracer, RealThreadLocal, real_get_ident
 
 _engines = {}          # thread ident -> Engine
 _engines_lock = threading.Lock()
-_local = threading.local()
+_local = RealThreadLocal()
 _fork_generation = [0]
 
 
@@ -28,7 +28,7 @@ def _after_fork_in_child():
     # reference) belong to the parent's threads.  Hooks installed in the
     # forking thread stay in place but go quiet until a new engine takes
     # over (gqp_py_thread_start replaces a quiet state).
-    me = threading.get_ident()
+    me = real_get_ident()
     for eng in list(_engines.values()):
         eng.abandon()
         if eng.thread_ident == me:
@@ -67,7 +67,7 @@ class Engine:
         # the middlewares served by this thread (they share the engine)
         self.middlewares = weakref.WeakSet()
         self.calls_users = 0
-        self.thread_ident = threading.get_ident()
+        self.thread_ident = real_get_ident()
         self.pid = os.getpid()
         # greenlet id -> (method, path, request_id) of open requests
         self.requests = {}
@@ -118,6 +118,17 @@ def engine_for_thread(config):
     if config.watchdog and config.blocking_ns:
         Watchdog.ensure(config.blocking_ns)
     return eng
+
+
+def fork_generation():
+    """Bumped in a child after every fork."""
+    return _fork_generation[0]
+
+
+def current_engine():
+    """The calling thread's engine, or None."""
+    eng = getattr(_local, "engine", None)
+    return None if eng is None or eng.abandoned else eng
 
 
 def shutdown():

@@ -3,13 +3,16 @@ served by gevent, plus blocking alerts for every request."""
 import hmac
 import json
 import logging
+import math
 import os
 import random
 import socket
 import threading
+import weakref
 
 from . import _collect, _lowlevel, _registry
 from ._lowlevel import NS, RawProfile
+from . import engine as _engine
 from .engine import engine_for_thread
 from . import config
 from .config import UNSET
@@ -27,6 +30,20 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MAX_REQUEST_ID = 200
 
 
+_middlewares = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    # Profiles open in the parent are the parent's to report: the child
+    # starts with none counted against max_open.
+    for mw in list(_middlewares):
+        mw._open = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Config:
     """Validated options shared by the middleware and its engines."""
 
@@ -42,7 +59,7 @@ class _Config:
         if blocking_ms is not None and (
                 isinstance(blocking_ms, bool)
                 or not isinstance(blocking_ms, (int, float))
-                or blocking_ms <= 0):
+                or not math.isfinite(blocking_ms) or blocking_ms <= 0):
             raise ConfigError("blocking_ms must be a positive number of "
                               "milliseconds or None, got %r" % (blocking_ms,))
         for name, v in (("max_spans", max_spans), ("max_open", max_open)):
@@ -65,7 +82,8 @@ class _Config:
 class _OpenRequest:
     __slots__ = ("greenlet", "gid", "profile", "addr", "method", "path",
                  "status", "start_ns", "end_ns", "request_id", "sampled_by",
-                 "error", "done", "blocking", "observed", "__weakref__")
+                 "error", "done", "blocking", "observed", "generation",
+                 "__weakref__")
 
 
 class ProfilingMiddleware:
@@ -134,56 +152,83 @@ class ProfilingMiddleware:
         trigger_secret = opts["trigger_secret"]
         linger, profile_dir = opts["linger"], opts["profile_dir"]
         formats = opts["formats"]
-        self.observers = list(observers)
-        if opts["otel"]:
-            from .otel import OtelObserver
-            self.observers.append(OtelObserver(child_spans=opts["otel_spans"]))
-        if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
-                or linger < 0:
-            raise ConfigError("linger must be a number of seconds >= 0, got "
-                              "%r" % (linger,))
-        self.linger = float(linger)
-        self.config = _Config(pct, calls, clock, blocking_ms, max_spans,
-                              stacks, watchdog, max_open)
-        if sink is not None and not callable(sink):
-            raise ConfigError("sink must be callable, got %r" % (sink,))
-        self.sink = sink
-        self.json_logs = bool(json_logs)
-        self.report = bool(report)
-        self.log = (logger if isinstance(logger, logging.Logger)
-                    else logging.getLogger(logger))
-        if rng is not None and not callable(rng):
-            raise ConfigError("rng must be a callable returning [0, 1)")
-        self._random = rng or random.Random(seed).random
-        if (trigger_header is None) != (trigger_secret is None):
-            raise ConfigError("trigger_header and trigger_secret must be "
-                              "given together")
-        if trigger_header is not None:
-            if not isinstance(trigger_header, str) or not trigger_header:
-                raise ConfigError("trigger_header must be a header name")
-            if not isinstance(trigger_secret, str) or len(trigger_secret) < 8:
-                raise ConfigError("trigger_secret must be a string of at "
-                                  "least 8 characters")
-            self._trigger_key = "HTTP_" + trigger_header.upper().replace(
-                "-", "_")
-            self._trigger_secret = trigger_secret.encode("utf-8")
-        else:
-            self._trigger_key = None
-            self._trigger_secret = None
-        self._open = 0
-        self._lock = threading.Lock()
-        self._errors_logged = set()
-        self.pid = os.getpid()
-        self.hostname = socket.gethostname()
-        self.stats = {"requests": 0, "sampled": 0, "skipped_full": 0,
-                      "blocking": 0, "errors": 0, "delivered": 0}
-        # -- profile files and the dev inspector (docs/viewing.md) --------
-        from .inspector import ProfileOutputs
-        self._outputs = ProfileOutputs.create(
-            self.config.calls, profile_dir=profile_dir, formats=formats,
-            ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
-            ui_keep=ui_keep)
-        self.inspector = self._outputs.ui if self._outputs else None
+        sources = opts["_sources"]
+
+        # Validation that needs several options runs here; an error about
+        # an option set by a GREQPROF_* variable names the variable.
+        def configure():
+            self.observers = list(observers)
+            if opts["otel"]:
+                from .otel import OtelObserver
+                self.observers.append(
+                    OtelObserver(child_spans=opts["otel_spans"]))
+            if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
+                    or not math.isfinite(linger) or linger < 0:
+                raise ConfigError("linger must be a number of seconds >= 0, got "
+                                  "%r" % (linger,))
+            self.linger = float(linger)
+            self.config = _Config(pct, calls, clock, blocking_ms, max_spans,
+                                  stacks, watchdog, max_open)
+            if sink is not None and not callable(sink):
+                raise ConfigError("sink must be callable, got %r" % (sink,))
+            self.sink = sink
+            self.json_logs = bool(json_logs)
+            self.report = bool(report)
+            self.log = (logger if isinstance(logger, logging.Logger)
+                        else logging.getLogger(logger))
+            if rng is not None and not callable(rng):
+                raise ConfigError("rng must be a callable returning [0, 1)")
+            self._random = rng or random.Random(seed).random
+            if (trigger_header is None) != (trigger_secret is None):
+                raise ConfigError("trigger_header and trigger_secret must be "
+                                  "given together")
+            if trigger_header is not None:
+                if not isinstance(trigger_header, str) or not trigger_header:
+                    raise ConfigError("trigger_header must be a header name")
+                if not isinstance(trigger_secret, str) or len(trigger_secret) < 8:
+                    raise ConfigError("trigger_secret must be a string of at "
+                                      "least 8 characters")
+                self._trigger_key = "HTTP_" + trigger_header.upper().replace(
+                    "-", "_")
+                self._trigger_secret = trigger_secret.encode("utf-8")
+            else:
+                self._trigger_key = None
+                self._trigger_secret = None
+            self._open = 0
+            _middlewares.add(self)
+            self._lock = threading.Lock()
+            self._errors_logged = set()
+            self.pid = os.getpid()
+            self.hostname = socket.gethostname()
+            self.stats = {"requests": 0, "sampled": 0, "skipped_full": 0,
+                          "blocking": 0, "errors": 0, "delivered": 0}
+            # -- profile files and the dev inspector (docs/viewing.md) --------
+            from .inspector import ProfileOutputs
+            self._outputs = ProfileOutputs.create(
+                self.config.calls, profile_dir=profile_dir, formats=formats,
+                ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
+                ui_keep=ui_keep)
+            self.inspector = self._outputs.ui if self._outputs else None
+
+        try:
+            configure()
+        except ConfigError as e:
+            raise config.name_source(e, sources) from None
+
+    def flush(self):
+        """Finishes, at once, the profiles of this thread that are still
+        waiting for their requests' greenlets (see ``linger``), so nothing
+        is lost when a worker exits.  Returns how many were delivered."""
+        from .engine import current_engine
+        eng = current_engine()
+        if eng is None:
+            return 0
+        n = 0
+        for req in list(eng.lingering.values()):
+            if req.profile is not None and not req.profile.closed:
+                self._finalize(eng, req)
+                n += 1
+        return n
 
     def __repr__(self):
         # Never show the trigger secret.
@@ -256,6 +301,7 @@ class ProfilingMiddleware:
             eng.middlewares.add(self)
         g = getcurrent()
         req = _OpenRequest()
+        req.generation = _engine.fork_generation()
         req.greenlet = g
         req.method = str(environ.get("REQUEST_METHOD", ""))[:32]
         req.path = str(environ.get("PATH_INFO", ""))[:MAX_PATH]
@@ -327,6 +373,10 @@ class ProfilingMiddleware:
         if req.done:
             return
         req.done = True
+        if req.generation != _engine.fork_generation():
+            # Begun before a fork: the parent reports it, not this child.
+            req.greenlet = None
+            return
         try:
             eng = engine_for_thread(self.config)
             req.end_ns = _lowlevel.wall_ns()
@@ -388,6 +438,11 @@ class ProfilingMiddleware:
 
     def _finalize(self, eng, req):
         """Closes the profile, builds the RequestProfile and delivers it."""
+        if req.greenlet is None:
+            return  # already finalized (flush() before the linger ended)
+        if req.generation != _engine.fork_generation():
+            req.greenlet = None  # the parent's request: not ours to report
+            return
         try:
             if eng.lingering.get(req.gid) is req:
                 del eng.lingering[req.gid]
@@ -402,10 +457,6 @@ class ProfilingMiddleware:
             # spans are named after it.
             self._drain_blocking(eng)
             profile = self._build(eng, req, req.end_ns)
-            if eng.requests.get(req.gid) is req:
-                del eng.requests[req.gid]
-            if eng.profile_requests.get(req.addr) is req:
-                del eng.profile_requests[req.addr]
             profile.blocking.extend(req.blocking)
             self._deliver(profile)
             for obs in self.observers:
@@ -414,6 +465,10 @@ class ProfilingMiddleware:
             self._internal_error("finish", e)
         finally:
             req.greenlet = None
+            if eng.requests.get(req.gid) is req:
+                del eng.requests[req.gid]
+            if eng.profile_requests.get(req.addr) is req:
+                del eng.profile_requests[req.addr]
 
     def _build(self, eng, req, end_ns, snapshot=False):
         """The RequestProfile of req; snapshot=True reads an open profile

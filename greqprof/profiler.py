@@ -5,7 +5,7 @@ import threading
 import weakref
 
 from . import _collect, _registry
-from ._lowlevel import RawProfile, RawTracer
+from ._lowlevel import RawProfile, RawTracer, real_get_ident
 from .errors import ConfigError, ProfilerStateError
 
 CLOCKS = ("cpu", "wall")
@@ -29,7 +29,7 @@ def _after_fork_in_child():
     # The child keeps profiling the thread that forked, from a clean slate:
     # data recorded before the fork belongs to the parent, and the other
     # threads' sessions have no thread here.
-    me = threading.get_ident()
+    me = real_get_ident()
     for prof in list(_running_profilers):
         prof._forked(me)
 
@@ -45,7 +45,7 @@ class _Session:
         self.tracer = tracer
         self.profile = profile
         self.thread_name = thread_name
-        self.thread_ident = threading.get_ident()
+        self.thread_ident = real_get_ident()
 
 
 class Profiler:
@@ -127,7 +127,7 @@ class Profiler:
             raise ProfilerStateError("Profiler.start(): already started")
         self._new_session()
         self._running = True
-        self._starter = threading.get_ident()
+        self._starter = real_get_ident()
         _running_profilers.add(self)
         if hasattr(threading, "getprofile"):
             self._prev_thread_profile = threading.getprofile()
@@ -140,17 +140,27 @@ class Profiler:
         # Put back the hook threading would have installed, then ours on
         # top of it, so ours chains to it.
         sys.setprofile(self._prev_thread_profile)
-        if self._running:
-            try:
+        if not self._running:
+            return
+        me = real_get_ident()
+        with self._lock:
+            mine = [s for s in self._sessions if s.thread_ident == me]
+        try:
+            if mine:
+                # A green thread (gevent.monkey) in an OS thread we already
+                # profile: threading just replaced our call hook; put it
+                # back (it still chains to the previous one).
+                mine[0].tracer.reinstall_calls()
+            else:
                 self._new_session()
-            except Exception:  # never break the thread being profiled
-                pass
+        except Exception:  # never break the thread being profiled
+            pass
 
     def stop(self):
         """Stops profiling; the data stays readable until :meth:`clear`."""
         if not self._running:
             raise ProfilerStateError("Profiler.stop(): not started")
-        if threading.get_ident() != self._starter:
+        if real_get_ident() != self._starter:
             raise ProfilerStateError(
                 "Profiler.stop() must be called from the thread that "
                 "called start()")
