@@ -457,12 +457,12 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 
 /* ---- the greenlet hook ----------------------------------------------- */
 
-static PyObject *gqp__trace(PyObject *self, PyObject *args)
+static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
+                            Py_ssize_t nargs)
 {
     gqp_py_thread *st = ((gqp_hookref *)self)->st;
     PyObject *pair;
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2 ||
-        !PyTuple_Check(pair = PyTuple_GET_ITEM(args, 1)) ||
+    if (nargs != 2 || !PyTuple_Check(pair = args[1]) ||
         PyTuple_GET_SIZE(pair) != 2) {
         Py_RETURN_NONE;
     }
@@ -483,13 +483,15 @@ static PyObject *gqp__trace(PyObject *self, PyObject *args)
         }
     }
     if (st && st->prev_trace) {
-        return PyObject_Call(st->prev_trace, args, NULL);
+        return PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL);
     }
     Py_RETURN_NONE;
 }
 
+/* METH_FASTCALL: no argument tuple is built for the call itself. */
 static PyMethodDef gqp__trace_def = {"greqprof_switch_hook",
-                                     (PyCFunction)gqp__trace, METH_VARARGS,
+                                     (PyCFunction)(void (*)(void))gqp__trace,
+                                     METH_FASTCALL,
                                      "greqprof's greenlet switch hook."};
 
 /* ---- the call hook ---------------------------------------------------- */

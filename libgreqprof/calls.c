@@ -21,8 +21,12 @@ void gqp__calls_free(gqp__calls *c)
     gqp__map_free(&c->edge_index);
     gqp__free(c->funcs);
     gqp__free(c->edges);
+    gqp__free(c->fact);
+    gqp__free(c->eact);
     c->funcs = NULL;
     c->edges = NULL;
+    c->fact = NULL;
+    c->eact = NULL;
     c->nfuncs = c->nedges = c->funcs_alloc = c->edges_alloc = 0;
 }
 
@@ -35,7 +39,10 @@ void gqp__calls_clear(gqp__calls *c)
     c->dropped = 0;
 }
 
-static bool grow(void **buf, size_t *alloc, size_t need, size_t elem)
+/* Grows a stats array and its parallel gqp__active array together, so
+ * they always have the same capacity.  On failure neither changes size. */
+static bool grow_pair(void **stats, void **act, size_t *alloc, size_t need,
+                      size_t elem)
 {
     if (need <= *alloc) {
         return true;
@@ -44,11 +51,16 @@ static bool grow(void **buf, size_t *alloc, size_t need, size_t elem)
     while (n < need) {
         n *= 2;
     }
-    void *nb = gqp__realloc(*buf, n * elem);
-    if (!nb) {
+    void *na = gqp__realloc(*act, n * sizeof(gqp__active));
+    if (!na) {
         return false;
     }
-    *buf = nb;
+    *act = na;
+    void *ns = gqp__realloc(*stats, n * elem);
+    if (!ns) {
+        return false; /* act is larger than needed: harmless */
+    }
+    *stats = ns;
     *alloc = n;
     return true;
 }
@@ -60,9 +72,10 @@ uint32_t gqp__calls_func(gqp__calls *c, uint64_t key, bool *added)
     if (v) {
         return (uint32_t)(*v - 1);
     }
-    if (c->nfuncs >= c->max_funcs ||
-        !grow((void **)&c->funcs, &c->funcs_alloc, c->nfuncs + 1,
-              sizeof *c->funcs)) {
+    if (c->nfuncs >= c->max_funcs || !grow_pair((void **)&c->funcs,
+                                                (void **)&c->fact,
+                                                &c->funcs_alloc, c->nfuncs + 1,
+                                                sizeof *c->funcs)) {
         return GQP__NOIDX;
     }
     bool fresh;
@@ -74,6 +87,7 @@ uint32_t gqp__calls_func(gqp__calls *c, uint64_t key, bool *added)
     *v = (uint64_t)idx + 1;
     gqp_func_stat *f = &c->funcs[idx];
     memset(f, 0, sizeof *f);
+    memset(&c->fact[idx], 0, sizeof c->fact[idx]);
     f->key = key;
     *added = true;
     return idx;
@@ -86,9 +100,10 @@ uint32_t gqp__calls_edge(gqp__calls *c, uint32_t caller, uint32_t callee)
     if (v) {
         return (uint32_t)(*v - 1);
     }
-    if (c->nedges >= c->max_edges ||
-        !grow((void **)&c->edges, &c->edges_alloc, c->nedges + 1,
-              sizeof *c->edges)) {
+    if (c->nedges >= c->max_edges || !grow_pair((void **)&c->edges,
+                                                (void **)&c->eact,
+                                                &c->edges_alloc, c->nedges + 1,
+                                                sizeof *c->edges)) {
         return GQP__NOIDX;
     }
     bool fresh;
@@ -100,6 +115,7 @@ uint32_t gqp__calls_edge(gqp__calls *c, uint32_t caller, uint32_t callee)
     *v = (uint64_t)idx + 1;
     gqp_edge_stat *e = &c->edges[idx];
     memset(e, 0, sizeof *e);
+    memset(&c->eact[idx], 0, sizeof c->eact[idx]);
     e->caller_key = c->funcs[caller].key;
     e->callee_key = c->funcs[callee].key;
     return idx;

@@ -29,8 +29,25 @@ typedef struct gqp__map {
 GQP__HIDDEN void gqp__map_init(gqp__map *m);
 GQP__HIDDEN void gqp__map_free(gqp__map *m);
 GQP__HIDDEN void gqp__map_clear(gqp__map *m);
-/* Pointer to the value of key, or NULL. */
-GQP__HIDDEN uint64_t *gqp__map_get(const gqp__map *m, uint64_t key);
+/* Pointer to the value of key, or NULL.  Inline: it is on the per-call
+ * path. */
+static inline uint64_t *gqp__map_get(const gqp__map *m, uint64_t key)
+{
+    if (m->cap == 0 || key == 0) {
+        return NULL;
+    }
+    size_t mask = m->cap - 1;
+    /* Fibonacci hashing: object addresses have zero low bits. */
+    for (size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 17) & mask;;
+         i = (i + 1) & mask) {
+        if (m->keys[i] == key) {
+            return &m->vals[i];
+        }
+        if (m->keys[i] == 0) {
+            return NULL;
+        }
+    }
+}
 /* Pointer to the value of key, inserting it with value 0 when missing
  * (*added set to true).  NULL on allocation failure. */
 GQP__HIDDEN uint64_t *gqp__map_put(gqp__map *m, uint64_t key, bool *added);
@@ -58,12 +75,23 @@ GQP__HIDDEN size_t gqp__spans_push(gqp__spans *s, const gqp_span *span);
 GQP__HIDDEN gqp_span *gqp__spans_at(const gqp__spans *s, size_t i);
 
 /* ---- call statistics (calls.c) --------------------------------------- */
+/* Which greenlet has frames of a function (or edge) active, and how many.
+ * Recursion is per greenlet; this covers the common case (one greenlet at
+ * a time) without a hash lookup.  When another greenlet has it active,
+ * counting falls back to that greenlet's own map (tracer.c). */
+typedef struct gqp__active {
+    uint64_t owner;  /* greenlet id */
+    uint64_t depth;
+} gqp__active;
+
 typedef struct gqp__calls {
     gqp__map func_index;  /* key -> index + 1 */
     gqp_func_stat *funcs;
+    gqp__active *fact;    /* parallel to funcs */
     size_t nfuncs, funcs_alloc, max_funcs;
     gqp__map edge_index;  /* ((caller+1) << 32 | (callee+1)) -> index + 1 */
     gqp_edge_stat *edges;
+    gqp__active *eact;    /* parallel to edges */
     size_t nedges, edges_alloc, max_edges;
     uint64_t dropped;
 } gqp__calls;

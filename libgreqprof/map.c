@@ -32,22 +32,6 @@ void gqp__map_clear(gqp__map *m)
     m->len = 0;
 }
 
-uint64_t *gqp__map_get(const gqp__map *m, uint64_t key)
-{
-    if (m->cap == 0 || key == 0) {
-        return NULL;
-    }
-    size_t mask = m->cap - 1;
-    for (size_t i = slot_of(key, mask);; i = (i + 1) & mask) {
-        if (m->keys[i] == key) {
-            return &m->vals[i];
-        }
-        if (m->keys[i] == 0) {
-            return NULL;
-        }
-    }
-}
-
 static bool grow(gqp__map *m)
 {
     size_t ncap = m->cap ? m->cap * 2 : 16;

@@ -5,18 +5,24 @@
  * resumes.  Call times are taken on a per-greenlet clock: with
  * GQP_CLOCK_CPU it only advances while that greenlet runs, so time spent in
  * other greenlets is never charged to its frames. */
+#define _POSIX_C_SOURCE 200809L
 #include "internal.h"
 
 #include <stdatomic.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef struct frame {
     uint32_t func;  /* index in the profile's function table, or NOIDX */
     uint32_t edge;  /* index of the caller->func edge, or NOIDX */
+    uint32_t slow;  /* FRAME_SLOW_*: counted in the greenlet's own map */
     int64_t start;  /* greenlet clock at entry */
     int64_t child;  /* inclusive time of finished callees */
 } frame;
+
+#define FRAME_SLOW_FUNC 0x1u
+#define FRAME_SLOW_EDGE 0x2u
 
 typedef struct gqp__greenlet {
     uint64_t key;
@@ -321,7 +327,7 @@ GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p)
  * real clock it advances with wall time; each reading puts it back on the
  * real clock (it may step back), so its error never exceeds the off-CPU time
  * within one window. */
-static int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
+static inline int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
 {
     if (!t->est_init) {
         int64_t c = t->cpu_fn(t->clock_ctx);
@@ -345,6 +351,14 @@ static int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
 
 static inline int64_t wall_now(gqp_tracer *t)
 {
+#ifdef CLOCK_MONOTONIC
+    if (t->wall_fn == real_wall) {
+        /* The real clock, read inline: this is on the per-call path. */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    }
+#endif
     return t->wall_fn(t->clock_ctx);
 }
 
@@ -424,6 +438,37 @@ static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
     return g;
 }
 
+/* Gives back the owner counts of g's frames without recording them (the
+ * frames are being discarded), when the profile they index is still here:
+ * otherwise g would look recursive the next time it calls them. */
+static void discard_frames(gqp_tracer *t, gqp__greenlet *g)
+{
+    gqp_profile *p = NULL;
+    if (g->profile && g->profile->generation == g->stack_serial) {
+        p = g->profile;
+    } else if (t->deflt && t->deflt->generation == g->stack_serial) {
+        p = t->deflt;
+    }
+    if (!p) {
+        return;
+    }
+    for (uint32_t i = 0; i < g->depth; i++) {
+        const frame *f = &g->stack[i];
+        if (f->func != GQP__NOIDX && !(f->slow & FRAME_SLOW_FUNC)) {
+            gqp__active *a = &p->calls.fact[f->func];
+            if (a->owner == g->id && a->depth > 0) {
+                a->depth--;
+            }
+        }
+        if (f->edge != GQP__NOIDX && !(f->slow & FRAME_SLOW_EDGE)) {
+            gqp__active *a = &p->calls.eact[f->edge];
+            if (a->owner == g->id && a->depth > 0) {
+                a->depth--;
+            }
+        }
+    }
+}
+
 static void reset_stack(gqp__greenlet *g, uint64_t serial)
 {
     g->depth = 0;
@@ -463,7 +508,20 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
 /* The profile a greenlet's data goes to now.  Closed attachments are
  * dropped here, and a stack built for another profile is discarded, since
  * its frames hold that profile's indexes. */
-static gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
+static gqp_profile *effective_slow(gqp_tracer *t, gqp__greenlet *g);
+
+/* The fast path of effective(): the greenlet's stack already belongs to
+ * the open profile it is routed to. */
+static inline gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
+{
+    gqp_profile *p = g->profile ? g->profile : t->deflt;
+    if (p && !p->closed && p->generation == g->stack_serial) {
+        return p;
+    }
+    return effective_slow(t, g);
+}
+
+static gqp_profile *effective_slow(gqp_tracer *t, gqp__greenlet *g)
 {
     if (g->profile && g->profile->closed) {
         set_profile(g, NULL);
@@ -474,6 +532,9 @@ static gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
     }
     uint64_t gen = p ? p->generation : 0;
     if (gen != g->stack_serial) {
+        if (g->depth) {
+            discard_frames(t, g);
+        }
         reset_stack(g, gen);
     }
     return p;
@@ -616,7 +677,7 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
 }
 
 static bool push_frame(gqp__greenlet *g, uint32_t func, uint32_t edge,
-                       int64_t start)
+                       uint32_t slow, int64_t start)
 {
     if (g->depth == g->alloc) {
         uint32_t n = g->alloc ? g->alloc * 2 : 16;
@@ -630,6 +691,7 @@ static bool push_frame(gqp__greenlet *g, uint32_t func, uint32_t edge,
     frame *f = &g->stack[g->depth++];
     f->func = func;
     f->edge = edge;
+    f->slow = slow;
     f->start = start;
     f->child = 0;
     return true;
@@ -645,6 +707,49 @@ static inline uint64_t func_rkey(uint32_t func)
 static inline uint64_t edge_rkey(uint32_t edge)
 {
     return ((uint64_t)edge + 1) << 32;
+}
+
+/* Counts one more active frame of a function/edge in greenlet g: in the
+ * entry's owner slot when g owns it (or nobody has it active), else in g's
+ * own map (slow path, flagged in *slow).  false: no memory. */
+static inline bool enter(gqp__greenlet *g, gqp__active *a, uint64_t rkey,
+                         uint32_t *slow, uint32_t flag)
+{
+    if (a->owner == g->id) {
+        a->depth++;
+        return true;
+    }
+    if (a->depth == 0) {
+        /* Nobody else has it active; take it unless g counts it in its
+         * own map already (it was entered while another greenlet owned
+         * it). */
+        uint64_t *cnt = g->rec.len ? gqp__map_get(&g->rec, rkey) : NULL;
+        if (!cnt || *cnt == 0) {
+            a->owner = g->id;
+            a->depth = 1;
+            return true;
+        }
+    }
+    bool fresh;
+    uint64_t *cnt = gqp__map_put(&g->rec, rkey, &fresh);
+    if (!cnt) {
+        return false;
+    }
+    ++*cnt;
+    *slow |= flag;
+    return true;
+}
+
+/* Undoes enter(); returns true when the frame was the outermost active
+ * one (its inclusive time counts). */
+static inline bool leave(gqp__greenlet *g, gqp__active *a, uint64_t rkey,
+                         uint32_t slow)
+{
+    if (!slow) {
+        return a->owner == g->id && a->depth > 0 && --a->depth == 0;
+    }
+    uint64_t *cnt = gqp__map_get(&g->rec, rkey);
+    return cnt && *cnt > 0 && --*cnt == 0;
 }
 
 GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
@@ -672,6 +777,7 @@ GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
     bool added = false;
     uint32_t idx = gqp__calls_func(&p->calls, func, &added);
     uint32_t edge = GQP__NOIDX;
+    uint32_t slow = 0;
     if (idx == GQP__NOIDX) {
         p->calls.dropped++;
         ev |= GQP_EV_DROPPED;
@@ -679,40 +785,35 @@ GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
         if (added) {
             ev |= GQP_EV_NEW_FUNC;
         }
-        bool fresh;
-        uint64_t *cnt = gqp__map_put(&g->rec, func_rkey(idx), &fresh);
-        if (!cnt) {
+        if (!enter(g, &p->calls.fact[idx], func_rkey(idx), &slow,
+                   FRAME_SLOW_FUNC)) {
             p->calls.dropped++;
             idx = GQP__NOIDX;
             ev |= GQP_EV_DROPPED;
         } else {
-            ++*cnt;
             uint32_t caller = g->depth ? g->stack[g->depth - 1].func
                                        : GQP__NOIDX;
             if (caller != GQP__NOIDX) {
                 edge = gqp__calls_edge(&p->calls, caller, idx);
-                if (edge == GQP__NOIDX) {
+                if (edge == GQP__NOIDX ||
+                    !enter(g, &p->calls.eact[edge], edge_rkey(edge), &slow,
+                           FRAME_SLOW_EDGE)) {
+                    edge = GQP__NOIDX;
                     p->calls.dropped++;
                     ev |= GQP_EV_DROPPED;
-                } else {
-                    uint64_t *ec = gqp__map_put(&g->rec, edge_rkey(edge),
-                                                &fresh);
-                    if (ec) {
-                        ++*ec;
-                    } else {
-                        edge = GQP__NOIDX;
-                    }
                 }
             }
         }
     }
-    if (!push_frame(g, idx, edge, start)) {
+    if (!push_frame(g, idx, edge, slow, start)) {
         /* Keep the stack in step with the interpreter's. */
         if (idx != GQP__NOIDX) {
-            --*gqp__map_get(&g->rec, func_rkey(idx));
+            leave(g, &p->calls.fact[idx], func_rkey(idx),
+                  slow & FRAME_SLOW_FUNC);
         }
         if (edge != GQP__NOIDX) {
-            --*gqp__map_get(&g->rec, edge_rkey(edge));
+            leave(g, &p->calls.eact[edge], edge_rkey(edge),
+                  slow & FRAME_SLOW_EDGE);
         }
         g->lost++;
         p->calls.dropped++;
@@ -736,8 +837,8 @@ static void pop_frame(gqp__greenlet *g, gqp_profile *p, int64_t gnow)
     if (f->func != GQP__NOIDX) {
         gqp_func_stat *fs = &p->calls.funcs[f->func];
         fs->ncall++;
-        uint64_t *cnt = gqp__map_get(&g->rec, func_rkey(f->func));
-        if (cnt && *cnt > 0 && --*cnt == 0) {
+        if (leave(g, &p->calls.fact[f->func], func_rkey(f->func),
+                  f->slow & FRAME_SLOW_FUNC)) {
             fs->nactual++;
             fs->ttot_ns += tt;
         }
@@ -745,8 +846,8 @@ static void pop_frame(gqp__greenlet *g, gqp_profile *p, int64_t gnow)
         if (f->edge != GQP__NOIDX) {
             gqp_edge_stat *es = &p->calls.edges[f->edge];
             es->ncall++;
-            uint64_t *ec = gqp__map_get(&g->rec, edge_rkey(f->edge));
-            if (ec && *ec > 0 && --*ec == 0) {
+            if (leave(g, &p->calls.eact[f->edge], edge_rkey(f->edge),
+                      f->slow & FRAME_SLOW_EDGE)) {
                 es->nactual++;
                 es->ttot_ns += tt;
             }
@@ -824,6 +925,9 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         ev = close_span(t, g, now, L, GQP_SPAN_SPLIT);
         start_span(t, g, now, L);
         g->continued = true;
+    }
+    if (g->depth) {
+        discard_frames(t, g); /* a paused greenlet's frames */
     }
     set_profile(g, p);
     set_spawn(g, NULL);
