@@ -145,7 +145,8 @@ class RawTracer:
     """Owns one gqp_tracer; feeds it from the calling thread's hooks."""
 
     def __init__(self, cpu_mode="estimate", call_clock="cpu",
-                 long_span_ns=0, cpu_window_ns=100000, max_depth=1024):
+                 long_span_ns=0, cpu_window_ns=100000, max_depth=1024,
+                 history=4096):
         out = ffi.new("gqp_tracer **")
         _check(lib.gqp_tracer_new(out), "gqp_tracer_new")
         self.ptr = ffi.gc(out[0], lib.gqp_tracer_free)
@@ -158,6 +159,8 @@ class RawTracer:
         self.set(lib.GQP_TRACER_LONG_SPAN_NS, long_span_ns, "long span")
         self.set(lib.GQP_TRACER_CPU_WINDOW_NS, cpu_window_ns, "cpu window")
         self.set(lib.GQP_TRACER_MAX_DEPTH, max_depth, "max depth")
+        if history != 4096:
+            self.set(lib.GQP_TRACER_HISTORY, history, "history")
         self.hooks = None
         self.thread_ident = None
 

@@ -110,7 +110,8 @@ class Profiler:
             long_span_ns=(int(self.stack_threshold * 1e9)
                           if self.stack_threshold is not None else 0),
             cpu_window_ns=int(self.cpu_window * 1e9),
-            max_depth=self.max_depth)
+            max_depth=self.max_depth,
+            history=0)  # waiting time is a per-request notion
         profile = RawProfile(max_spans=self.max_spans, keep="last")
         tracer.set_default(profile)
         tracer.install(calls=self.calls, builtins=self.builtins,

@@ -139,9 +139,10 @@ struct gqp_profile {
 
 GQP__HIDDEN bool gqp__profile_live(const gqp_profile *p);
 /* Adds a closed span to the profile; returns kept index or SIZE_MAX.
- * *dropped is set when the span or the greenlet's totals were dropped. */
+ * *dropped is set when the span or the greenlet's totals were dropped.
+ * *hint caches the index of the greenlet's totals (checked by id). */
 GQP__HIDDEN size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s,
-                                         bool *dropped);
+                                         bool *dropped, uint32_t *hint);
 GQP__HIDDEN gqp__gstat *gqp__profile_gstat(gqp_profile *p, uint64_t id);
 GQP__HIDDEN uint64_t gqp__next_serial(void);
 GQP__HIDDEN uint64_t gqp__next_greenlet_id(void);

@@ -195,10 +195,19 @@ GQP_API int gqp_profile_clear(gqp_profile *p)
 /* ---- spans ------------------------------------------------------------ */
 
 size_t gqp__profile_add_span(gqp_profile *p, const gqp_span *s,
-                             bool *dropped)
+                             bool *dropped, uint32_t *hint)
 {
     p->has_data = true;
-    gqp__gstat *g = gqp__profile_gstat(p, s->greenlet_id);
+    gqp__gstat *g;
+    if (*hint < p->ngstats &&
+        p->gstats[*hint].pub.greenlet_id == s->greenlet_id) {
+        g = &p->gstats[*hint];
+    } else {
+        g = gqp__profile_gstat(p, s->greenlet_id);
+        if (g) {
+            *hint = (uint32_t)(g - p->gstats);
+        }
+    }
     *dropped = g == NULL;
     if (g) {
         gqp_greenlet_stat *st = &g->pub;

@@ -38,6 +38,7 @@ typedef struct gqp__greenlet {
     uint32_t depth, alloc;
     uint32_t lost;          /* frames above max_depth, not stored */
     bool continued;         /* the running span began at a split */
+    uint32_t gstat_hint;    /* index of its totals in its profile */
     gqp__map rec;           /* active count per func / edge (recursion) */
     struct gqp__greenlet *next_free;
 } gqp__greenlet;
@@ -586,7 +587,7 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
     size_t idx = SIZE_MAX;
     if (p) {
         bool dropped;
-        idx = gqp__profile_add_span(p, &s, &dropped);
+        idx = gqp__profile_add_span(p, &s, &dropped, &g->gstat_hint);
         if (dropped) {
             ev |= GQP_EV_DROPPED;
         }
