@@ -455,6 +455,34 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     }
 }
 
+/* Names of dead greenlets are kept a while (a blocking record or a waiting
+ * list drained after the greenlet ended still wants them), then dropped:
+ * the registry stays the size of the live greenlets plus this ring. */
+#define GQP_PY_DEAD_KEPT 4096
+static uint64_t dead_ring[GQP_PY_DEAD_KEPT];
+static size_t dead_pos;
+
+static void forget_later(uint64_t id)
+{
+    uint64_t old = dead_ring[dead_pos];
+    dead_ring[dead_pos] = id;
+    dead_pos = (dead_pos + 1) % GQP_PY_DEAD_KEPT;
+    if (!old) {
+        return;
+    }
+    PyObject *k = PyLong_FromUnsignedLongLong(old);
+    if (k) {
+        if (PyDict_DelItem(reg_names, k) < 0) {
+            PyErr_Clear();
+        }
+        if (PyDict_DelItem(reg_parents, k) < 0) {
+            PyErr_Clear();
+        }
+        Py_DECREF(k);
+    }
+    PyErr_Clear();
+}
+
 /* ---- the greenlet hook ----------------------------------------------- */
 
 static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
@@ -470,9 +498,17 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         PyObject *origin = PyTuple_GET_ITEM(pair, 0);
         PyObject *target = PyTuple_GET_ITEM(pair, 1);
         int dead = is_dead(origin);
+        uint64_t dead_id = 0;
+        if (dead) {
+            gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)origin,
+                                   &dead_id);
+        }
         int ev = gqp_tracer_switch(st->tracer, (uint64_t)(uintptr_t)origin,
                                    (uint64_t)(uintptr_t)target,
                                    dead ? GQP_SWITCH_FROM_DEAD : 0);
+        if (dead_id) {
+            forget_later(dead_id);
+        }
         if (ev > 0) {
             if (ev & GQP_EV_LONG_SPAN) {
                 on_long_span(st, origin, dead);
