@@ -1,0 +1,362 @@
+"""The server that bench/load_overhead.py puts under HTTP load.
+
+It serves examples/wsgi_app.py's ``app`` plus one cheap route meant for
+throughput measurements:
+
+  /hello    parses the query string, spawns one greenlet (a small
+            aggregation, as a cache/DB fan-out would be) and, while it is
+            pending, renders ``--rows`` rows with a few small helper
+            functions, joins the child and returns a JSON body
+            (~1.5 KB).  Deterministic work (no time-based spin), so a
+            profiler's per-call and per-switch costs show up in full:
+            about 150 µs of CPU per request here, plus pywsgi's own
+            request handling.
+
+and, outside any profiling middleware:
+
+  /__stats  JSON counters (requests the app handled, the middleware's
+            ``stats``) so the driver can check that sampling really
+            happened and that nothing failed.
+
+Run as a script (gevent.pywsgi)::
+
+    python bench/_load_server.py --config gqp-5pct --port 0
+
+prints ``PORT <n>`` on stdout once it listens.  Under gunicorn use the
+factory::
+
+    gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
+
+Configurations (see CONFIGS): bare, gqp-5pct, gqp-100pct, gqp-100pct-calls,
+werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
+"""
+import argparse
+import json
+import os
+import sys
+from urllib.parse import parse_qs
+
+import gevent
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import wsgi_app  # noqa: E402  examples/wsgi_app.py
+
+#: rows rendered by /hello (its cost scales with it)
+DEFAULT_ROWS = 24
+
+COUNTERS = {"hello": 0}
+
+
+# -- the /hello handler -------------------------------------------------------
+
+def _aggregate(n):
+    """The child greenlet's share: a small aggregation."""
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+def _escape(s):
+    return (s.replace("&", "&amp;").replace("<", "&lt;")
+            .replace(">", "&gt;"))
+
+
+def _price(i):
+    return round(9.99 + i * 0.37, 2)
+
+
+def _row(i, name):
+    return {"id": i, "name": _escape("%s-%d" % (name, i)),
+            "price": _price(i), "tags": [t for t in ("a", "b", "c")
+                                         if (i + len(t)) % 2],
+            "ok": i % 3 != 0}
+
+
+def make_hello(rows):
+    def hello(environ, start_response):
+        COUNTERS["hello"] += 1
+        qs = parse_qs(environ.get("QUERY_STRING", ""))
+        name = qs.get("name", ["world"])[0]
+        child = gevent.spawn(_aggregate, 200)
+        items = [_row(i, name) for i in range(rows)]
+        total = child.get()
+        body = json.dumps({"hello": name, "items": items,
+                           "aggregate": total}).encode("utf-8")
+        start_response("200 OK", [("Content-Type", "application/json"),
+                                  ("Content-Length", str(len(body)))])
+        return [body]
+    return hello
+
+
+def make_app(rows=DEFAULT_ROWS):
+    """examples/wsgi_app.py's app, plus /hello."""
+    hello = make_hello(rows)
+    inner = wsgi_app.app
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/hello":
+            return hello(environ, start_response)
+        return inner(environ, start_response)
+    return app
+
+
+# -- configurations ------------------------------------------------------------
+
+class _Discard:
+    """A text stream that throws everything away (werkzeug's stats)."""
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+def _discard_profile(profile):
+    pass
+
+
+def _greqprof(**kw):
+    def wrap(app):
+        from greqprof import ProfilingMiddleware
+        return ProfilingMiddleware(app, report=False, sink=_discard_profile,
+                                   **kw)
+    return wrap
+
+
+def _werkzeug(app):
+    from werkzeug.middleware.profiler import ProfilerMiddleware
+    # Stats are built, sorted and formatted for every request (its normal
+    # work) but written to a sink that discards them; nothing on disk.
+    return ProfilerMiddleware(app, stream=_Discard(), restrictions=(30,),
+                              profile_dir=None)
+
+
+def _yappi(app):
+    import yappi
+    yappi.set_context_backend("greenlet")
+    yappi.set_clock_type("cpu")
+    yappi.start(builtins=False)
+    return app
+
+
+#: key -> (label, wrapper)
+CONFIGS = {
+    "bare": ("bare app", lambda app: app),
+    "gqp-5pct": ("greqprof pct=0.05 (spans)", _greqprof(pct=0.05)),
+    "gqp-100pct": ("greqprof pct=1.0 (spans)", _greqprof(pct=1.0)),
+    "gqp-100pct-calls": ("greqprof pct=1.0 calls=True",
+                         _greqprof(pct=1.0, calls=True)),
+    "werkzeug": ("werkzeug ProfilerMiddleware (cProfile)", _werkzeug),
+    "yappi": ("yappi cpu, greenlet backend", _yappi),
+}
+
+
+def build(config, rows=DEFAULT_ROWS):
+    """The WSGI app of one configuration, with /__stats outside it."""
+    if config not in CONFIGS:
+        raise SystemExit("unknown config %r (known: %s)"
+                         % (config, ", ".join(CONFIGS)))
+    wrapped = CONFIGS[config][1](make_app(rows))
+    mw_stats = getattr(wrapped, "stats", None)
+
+    def outer(environ, start_response):
+        if environ.get("PATH_INFO") == "/__stats":
+            body = json.dumps({"config": config, "pid": os.getpid(),
+                               "app": dict(COUNTERS),
+                               "middleware": dict(mw_stats)
+                               if mw_stats is not None else None}).encode()
+            start_response("200 OK", [("Content-Type", "application/json"),
+                                      ("Content-Length", str(len(body)))])
+            return [body]
+        return wrapped(environ, start_response)
+    return outer
+
+
+def _server_class():
+    import socket
+    from gevent import pywsgi
+
+    class NoDelayWSGIServer(pywsgi.WSGIServer):
+        """pywsgi sends the headers and the body in two send() calls; on a
+        keep-alive connection without TCP_NODELAY, Nagle's algorithm holds
+        the body until the client's delayed ACK (40 ms on Linux), capping
+        each connection at ~25 requests/s whatever the app costs.  Set it,
+        as production servers and proxies do."""
+
+        def handle(self, sock, address):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            return super().handle(sock, address)
+    return NoDelayWSGIServer
+
+
+def measure_app(rows, n=3000):
+    """CPU microseconds per /hello request of the bare app, called
+    in-process (no server, no HTTP) from a gevent greenlet."""
+    import time
+    app = make_app(rows)
+    env = {"PATH_INFO": "/hello", "QUERY_STRING": "name=bench",
+           "REQUEST_METHOD": "GET"}
+
+    def start_response(status, headers, exc_info=None):
+        pass
+
+    def run(k):
+        for _ in range(k):
+            b"".join(app(env, start_response))
+
+    gevent.spawn(run, n // 5).join()   # warm-up
+    best = None
+    for _ in range(3):
+        t0 = time.thread_time_ns()
+        gevent.spawn(run, n).join()
+        us = (time.thread_time_ns() - t0) / n / 1000.0
+        best = us if best is None else min(best, us)
+    return best
+
+
+# -- in-process microbenchmark of ProfilingMiddleware.__call__ ---------------
+
+def _micro_noop(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def _micro_spawn(environ, start_response):
+    gevent.spawn(_aggregate, 20).get()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+MICRO_APPS = {
+    "noop": "returns a body; no greenlet",
+    "spawn": "spawns one greenlet running a small Python function and "
+             "joins it",
+    "hello": "the /hello handler put under load (make_app)",
+}
+
+#: case -> (label, middleware kwargs, or None for no middleware)
+MICRO_CASES = {
+    "bare": ("no middleware", None),
+    "hooks": ("no middleware, greqprof's C hooks installed (as after the "
+              "first request)", None),
+    "unsampled-noblock": ("pct=0, blocking_ms=None", dict(
+        pct=0.0, blocking_ms=None)),
+    "unsampled": ("pct=0 (unsampled path, blocking detection on)", dict(
+        pct=0.0)),
+    "sampled-linger0": ("pct=1.0, linger=0 (sampled path)", dict(
+        pct=1.0, linger=0)),
+    "sampled": ("pct=1.0 (sampled path, default linger=1.0)", dict(
+        pct=1.0)),
+    "sampled-calls": ("pct=1.0, calls=True", dict(pct=1.0, calls=True)),
+}
+
+
+def micro(case, kind, n, reps):
+    """CPU ns per request of ProfilingMiddleware.__call__ around a dummy
+    app, called in-process (no server, no socket).  Each request is
+    followed by gevent.sleep(0), as a server's connection greenlet goes
+    back to the hub between requests (so no span runs across requests);
+    sampled profiles are finalized (linger included) inside the measured
+    time.  Returns the per-repetition ns/request."""
+    import logging
+    import time
+    logging.getLogger("greqprof").setLevel(logging.CRITICAL)
+    inner = {"noop": _micro_noop, "spawn": _micro_spawn,
+             "hello": make_app(DEFAULT_ROWS)}[kind]
+    kw = MICRO_CASES[case][1]
+    if kw is None:
+        app = inner
+        if case == "hooks":
+            from greqprof.engine import engine_for_thread
+            from greqprof.middleware import ProfilingMiddleware
+            engine_for_thread(ProfilingMiddleware(inner).config)
+    else:
+        from greqprof import ProfilingMiddleware
+        app = ProfilingMiddleware(inner, report=False, sink=_discard_profile,
+                                  **kw)
+    stats = getattr(app, "stats", None)
+    env = {"PATH_INFO": "/hello", "QUERY_STRING": "name=bench",
+           "REQUEST_METHOD": "GET",
+           "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "80",
+           "wsgi.url_scheme": "http"}
+
+    def start_response(status, headers, exc_info=None):
+        pass
+
+    def settle():
+        deadline = time.monotonic() + 10
+        while stats is not None and stats["delivered"] < stats["sampled"] \
+                and time.monotonic() < deadline:
+            gevent.sleep(0.001)
+
+    def rep(k):
+        t0 = time.thread_time_ns()
+        for _ in range(k):
+            result = app(dict(env), start_response)
+            for _chunk in result:
+                pass
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+            gevent.sleep(0)
+        settle()
+        return (time.thread_time_ns() - t0) / k
+
+    out = []
+
+    def body():
+        rep(max(n // 10, 10))    # warm-up (engine creation, caches)
+        for _ in range(reps):
+            out.append(rep(n))
+    gevent.spawn(body).join()
+    if stats is not None and (stats["errors"] or
+                              (kw["pct"] > 0 and not stats["sampled"])):
+        raise SystemExit("middleware misbehaved: %r" % (stats,))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="bare", choices=list(CONFIGS))
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0,
+                    help="0: an ephemeral port (printed as PORT <n>)")
+    ap.add_argument("--rows", type=int, default=DEFAULT_ROWS)
+    ap.add_argument("--measure-app", action="store_true",
+                    help="print the CPU µs per /hello request of the bare "
+                         "app (in-process, no server) and exit")
+    ap.add_argument("--micro", metavar="CASE", choices=list(MICRO_CASES),
+                    help="run one microbenchmark case (see MICRO_CASES), "
+                         "print MICRO <json> and exit")
+    ap.add_argument("--micro-app", default="noop", choices=list(MICRO_APPS))
+    ap.add_argument("--micro-n", type=int, default=20000)
+    ap.add_argument("--micro-reps", type=int, default=5)
+    args = ap.parse_args()
+    if args.micro:
+        ns = micro(args.micro, args.micro_app, args.micro_n, args.micro_reps)
+        print("MICRO " + json.dumps({"case": args.micro,
+                                     "app": args.micro_app, "ns": ns}),
+              flush=True)
+        return
+    if args.measure_app:
+        print("APP_US %.1f" % measure_app(args.rows), flush=True)
+        return
+    app = build(args.config, args.rows)
+    # log=None: no access log; errors (tracebacks) still go to stderr,
+    # which the driver sends to a file it shows when something fails.
+    server = _server_class()((args.host, args.port), app, log=None)
+    server.start()
+    print("PORT %d" % server.server_port, flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
