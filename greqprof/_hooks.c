@@ -216,14 +216,25 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
     }
     *name = n;
     PyObject *run = PyObject_GetAttrString(g, "_run");
+    int from_underscore = run != NULL;
     if (!run || run == Py_None) {
         Py_XDECREF(run);
         PyErr_Clear();
+        from_underscore = 0;
         run = PyObject_GetAttrString(g, "run");
     }
     PyErr_Clear();
     if (run) {
-        *fn_name = qualified_name(run);
+        /* A finished gevent Greenlet no longer has its own `_run`: the
+         * lookup then finds the class's method, bound to g itself, which
+         * names no function of the app. */
+        PyObject *self = from_underscore
+            ? PyObject_GetAttrString(run, "__self__") : NULL;
+        PyErr_Clear();
+        if (self != g) {
+            *fn_name = qualified_name(run);
+        }
+        Py_XDECREF(self);
         Py_DECREF(run);
     }
     if (!*fn_name && parent_getter) {
@@ -381,11 +392,17 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
          * whole-process Profiler just keeps the stack with the span. */
         return;
     }
+    /* Name it now if nobody did: only greenlets in profiles are named
+     * eagerly. */
+    if (!p) {
+        name_in_profile(st, origin, sp.greenlet_id, NULL);
+    }
     PyObject *rec = Py_BuildValue(
-        "(kKLLLIIK)", st->thread_id, (unsigned long long)sp.greenlet_id,
+        "(kKLLLIIKK)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
         (unsigned)sp.flags, (unsigned)tag,
-        (unsigned long long)(uintptr_t)p);
+        (unsigned long long)(uintptr_t)p,
+        (unsigned long long)(uintptr_t)origin);
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
@@ -409,13 +426,15 @@ static int is_hub(PyObject *g)
     return r == 1;
 }
 
-static void remember_parent(uint64_t child_id, uint64_t parent_id)
+static void remember_parent(uint64_t child_id, uint64_t parent_id,
+                            uint64_t parent_key)
 {
     if (PyDict_GET_SIZE(reg_parents) >= GQP_PY_MAX_NAMES) {
         PyDict_Clear(reg_parents);
     }
     PyObject *k = PyLong_FromUnsignedLongLong(child_id);
-    PyObject *v = PyLong_FromUnsignedLongLong(parent_id);
+    PyObject *v = Py_BuildValue("(KK)", (unsigned long long)parent_id,
+                                (unsigned long long)parent_key);
     if (k && v) {
         PyDict_SetItem(reg_parents, k, v);
     }
@@ -427,7 +446,7 @@ static void remember_parent(uint64_t child_id, uint64_t parent_id)
 static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 {
     uint64_t key = (uint64_t)(uintptr_t)target;
-    uint64_t parent_id = 0;
+    uint64_t parent_id = 0, parent_key = 0;
     if (st->inherit) {
         /* gevent records who spawned a Greenlet (a weak reference). */
         PyObject *ref = PyObject_GetAttrString(target, "spawning_greenlet");
@@ -438,6 +457,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
                 uint64_t pkey = (uint64_t)(uintptr_t)parent;
                 gqp_tracer_inherit(st->tracer, key, pkey);
                 gqp_tracer_greenlet_id(st->tracer, pkey, &parent_id);
+                parent_key = pkey;
             }
         }
         Py_XDECREF(ref);
@@ -448,9 +468,14 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     uint64_t id = 0;
     gqp_profile *p = NULL;
     if (gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
-        name_in_profile(st, target, id, p);
+        /* Names cost a few attribute lookups: only for greenlets whose
+         * spans are recorded (and the hub); others get named if they ever
+         * hold the loop too long (on_long_span). */
+        if (p || !st->inherit || st->hub_key == key) {
+            name_in_profile(st, target, id, p);
+        }
         if (parent_id) {
-            remember_parent(id, parent_id);
+            remember_parent(id, parent_id, parent_key);
         }
     }
 }

@@ -76,6 +76,9 @@ class Engine:
         self.drain_started = False
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
+        # id(greenlet) -> recent unsampled requests it served:
+        # [(start monotonic ns, method, path, request id, greenlet), ...]
+        self.unsampled = {}
         # (greenlet id, span start ns) -> stack seen by the watchdog
         self.sampled_stacks = {}
         self.generation = _fork_generation[0]

@@ -9,6 +9,7 @@ import random
 import socket
 import threading
 import weakref
+from time import monotonic_ns as _monotonic_ns
 
 from . import _collect, _lowlevel, _registry
 from ._lowlevel import NS, RawProfile
@@ -294,8 +295,12 @@ class ProfilingMiddleware:
     def _begin(self, environ):
         cfg = self.config
         sampled_by = self._sample(environ)
-        if sampled_by is None and not cfg.blocking_ns:
-            return None
+        if sampled_by is None:
+            if cfg.blocking_ns and not self.observers:
+                self._note_unsampled(environ)
+                return None
+            if not cfg.blocking_ns:
+                return None
         eng = engine_for_thread(cfg)
         if self not in eng.middlewares:
             eng.middlewares.add(self)
@@ -359,6 +364,38 @@ class ProfilingMiddleware:
             for obs in self.observers:
                 self._notify(obs, "on_begin", req)
         return req
+
+    MAX_UNSAMPLED = 4096
+
+    def _note_unsampled(self, environ):
+        """The cheap path of an unsampled request: no profile, no wrapping
+        of the response, just enough to name it in a blocking report.  The
+        entry holds the greenlet, so its address (the key C reports) cannot
+        be reused while the entry exists; a few recent requests are kept per
+        greenlet and a blocking span goes to the latest that began before
+        it."""
+        eng = _engine.current_engine()
+        if eng is None or eng.blocking_ns > self.config.blocking_ns:
+            # (also lowers a shared engine's threshold to this one's)
+            eng = engine_for_thread(self.config)
+        if self not in eng.middlewares:
+            eng.middlewares.add(self)
+        if not eng.drain_started:
+            self._start_drain_loop(eng)
+        g = getcurrent()
+        entry = (_monotonic_ns(), environ.get("REQUEST_METHOD", ""),
+                 environ.get("PATH_INFO", ""),
+                 environ.get("HTTP_X_REQUEST_ID"), g)
+        unsampled = eng.unsampled
+        hist = unsampled.get(id(g))
+        if hist is not None and hist[-1][4] is g:
+            hist.append(entry)
+            if len(hist) > 4:
+                del hist[0]
+        else:
+            unsampled[id(g)] = [entry]
+            if len(unsampled) > self.MAX_UNSAMPLED:
+                del unsampled[next(iter(unsampled))]
 
     def _notify(self, observer, event, *args):
         fn = getattr(observer, event, None)
@@ -567,7 +604,8 @@ class ProfilingMiddleware:
             if owner is not None and rec[2] < owner.start_ns:
                 owner = None  # a freed profile's address, reused since
             if owner is None:
-                owner = self._request_of_greenlet(eng, rec[1])
+                owner = self._request_of_greenlet(eng, rec[1], rec[8],
+                                                  rec[3])
             ev = self._blocking_event(eng, rec, owner)
             if owner is not None and \
                     len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
@@ -582,19 +620,27 @@ class ProfilingMiddleware:
             _registry.long_spans.extend(keep)
 
     @staticmethod
-    def _request_of_greenlet(eng, gid, depth=16):
-        """The open request a greenlet belongs to: its own, or the one its
-        spawner (transitively) serves."""
+    def _request_of_greenlet(eng, gid, key, end_ns, depth=16):
+        """The request a greenlet's span belongs to: an open sampled one,
+        or the latest unsampled one that began before the span ended, of
+        the greenlet itself or of its spawner (transitively)."""
         parents = _registry.parents
         for _ in range(depth):
             req = eng.requests.get(gid)
-            if req is not None or gid not in parents:
+            if req is not None:
                 return req
-            gid = parents[gid]
+            hist = eng.unsampled.get(key)
+            if hist:
+                for entry in reversed(hist):
+                    if entry[0] <= end_ns:
+                        return _UnsampledRequest(entry)
+            if gid not in parents:
+                return None
+            gid, key = parents[gid]
         return None
 
     def _blocking_event(self, eng, rec, owner):
-        (tid, gid, start, end, cpu, _flags, tag, paddr) = rec
+        (tid, gid, start, end, cpu, _flags, tag, paddr, _key) = rec
         name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
         # A sampled request's profile still needs the stack for its span
         # (_build takes it); otherwise nothing else will.
@@ -654,6 +700,20 @@ class ProfilingMiddleware:
                            where)
         except Exception:
             pass
+
+
+class _UnsampledRequest:
+    """What a blocking report needs of an unsampled request."""
+
+    __slots__ = ("method", "path", "request_id", "profile", "blocking")
+
+    def __init__(self, entry):
+        self.method = str(entry[1])[:32]
+        self.path = str(entry[2])[:MAX_PATH]
+        rid = entry[3]
+        self.request_id = str(rid)[:MAX_REQUEST_ID] if rid else None
+        self.profile = None
+        self.blocking = []
 
 
 class _ClosingIterator:
