@@ -9,12 +9,15 @@ SPAN_FINISHED = 0x1
 SPAN_LONG = 0x4
 
 
-def greenlet_names(raw_profiles):
+def greenlet_names(raw_profiles, raw_greenlets=None):
+    """id -> (name, fn_name); raw_greenlets: the profiles' greenlets() rows
+    when the caller already read them."""
     names = {}
-    for rp in raw_profiles:
-        for g in rp.greenlets():
-            if g[7] or g[8]:
-                names[g[0]] = (g[7], g[8])
+    rows = raw_greenlets if raw_greenlets is not None else [
+        g for rp in raw_profiles for g in rp.greenlets()]
+    for g in rows:
+        if g[7] or g[8]:
+            names[g[0]] = (g[7], g[8])
     return names
 
 
@@ -49,18 +52,19 @@ def spans(raw_profiles, stacks=None):
     return out
 
 
-def greenlet_stats(raw_profiles):
+def greenlet_stats(raw_profiles, raw_greenlets=None):
     merged = {}
-    for rp in raw_profiles:
-        for (gid, wall, cpu, sw, _f, _l, fin, name, fn) in rp.greenlets():
-            m = merged.get(gid)
-            if m is None:
-                merged[gid] = [name, fn, cpu, wall, sw, fin]
-            else:
-                m[2] = (cpu if m[2] < 0 else m[2] + max(cpu, 0))
-                m[3] += wall
-                m[4] += sw
-                m[5] = m[5] or fin
+    rows = raw_greenlets if raw_greenlets is not None else [
+        g for rp in raw_profiles for g in rp.greenlets()]
+    for (gid, wall, cpu, sw, _f, _l, fin, name, fn) in rows:
+        m = merged.get(gid)
+        if m is None:
+            merged[gid] = [name, fn, cpu, wall, sw, fin]
+        else:
+            m[2] = (cpu if m[2] < 0 else m[2] + max(cpu, 0))
+            m[3] += wall
+            m[4] += sw
+            m[5] = m[5] or fin
     out = []
     for gid, (name, fn, cpu, wall, sw, fin) in merged.items():
         if not name and not fn:

@@ -48,14 +48,18 @@ class RawProfile:
         out = ffi.new("gqp_profile **")
         _check(lib.gqp_profile_new(out), "gqp_profile_new")
         self.ptr = ffi.gc(out[0], lib.gqp_profile_free)
-        self._set(lib.GQP_PROFILE_MAX_SPANS, max_spans, "max_spans")
-        self._set(lib.GQP_PROFILE_SPAN_POLICY,
-                  lib.GQP_KEEP_LAST if keep == "last" else lib.GQP_KEEP_FIRST,
-                  "keep")
-        self._set(lib.GQP_PROFILE_MAX_FUNCS, max_funcs, "max_funcs")
-        self._set(lib.GQP_PROFILE_MAX_EDGES, max_funcs * 4, "max_edges")
-        self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
-                  "max_greenlets")
+        # Only what differs from the library's defaults: one profile is
+        # made per sampled request.
+        if max_spans != 10000:
+            self._set(lib.GQP_PROFILE_MAX_SPANS, max_spans, "max_spans")
+        if keep == "last":
+            self._set(lib.GQP_PROFILE_SPAN_POLICY, lib.GQP_KEEP_LAST, "keep")
+        if max_funcs != 65536:
+            self._set(lib.GQP_PROFILE_MAX_FUNCS, max_funcs, "max_funcs")
+            self._set(lib.GQP_PROFILE_MAX_EDGES, max_funcs * 4, "max_edges")
+        if max_greenlets != 65536:
+            self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
+                      "max_greenlets")
         self.epoch_origin = lib.gqp_profile_epoch_origin(self.ptr)
         self.wall_origin = lib.gqp_profile_wall_origin(self.ptr)
 

@@ -519,14 +519,15 @@ class ProfilingMiddleware:
                 text = take(s[5], None)
                 if text is not None:
                     stacks[s[5]] = text
-        names = _collect.greenlet_names([rp])
+        raw_greenlets = rp.greenlets()
+        names = _collect.greenlet_names([rp], raw_greenlets)
         spans = [_collect.make_span(rp, s, names, stacks) for s in raw_spans]
         longest = rp.longest("wall")
         longest_span = (_collect.make_span(rp, longest, names, stacks)
                         if longest else None)
         cpu_total = 0
         any_cpu = False
-        greenlets = _collect.greenlet_stats([rp])
+        greenlets = _collect.greenlet_stats([rp], raw_greenlets)
         for g in greenlets:
             if g.cpu is not None:
                 any_cpu = True

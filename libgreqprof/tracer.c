@@ -1155,9 +1155,14 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         }
     }
     int64_t total = 0;
-    for (size_t k = 0; k < t->hist_len; k++) {
+    /* Newest first: entries are in order of their end, so the scan stops
+     * at the first one that ended before the window. */
+    for (size_t k = t->hist_len; k-- > 0;) {
         const hist_entry *h = &t->hist[(t->hist_head + k) % t->hist_cap];
-        if (h->end <= start_ns || h->start >= end_ns) {
+        if (h->end <= start_ns) {
+            break;
+        }
+        if (h->start >= end_ns) {
             continue;
         }
         if (serial && (h->serial == serial ||
