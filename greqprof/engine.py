@@ -76,6 +76,12 @@ class Engine:
         self.drain_started = False
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
+        # sampled requests waiting for their greenlets, and the greenlet
+        # that finishes them (middleware._finisher_loop)
+        self.pending = []
+        self.finisher = None
+        self.finisher_wake = None
+        self.finisher_woken = False
         # id(greenlet) -> recent unsampled requests it served:
         # [(start monotonic ns, method, path, request id, greenlet), ...]
         self.unsampled = {}

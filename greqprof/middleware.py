@@ -456,22 +456,28 @@ class ProfilingMiddleware:
                 req.greenlet = None
 
     def _schedule_finalize(self, eng, req):
-        import gevent
-        # Spawned from the hub so the finishing greenlet belongs to no
-        # request; by the time it runs, children spawned just before the
-        # response ended have made their first switch and joined.
-        gevent.get_hub().loop.run_callback(
-            gevent.spawn, self._linger_then_finalize, eng, req)
+        """Queues req for the engine's finisher greenlet (one per thread,
+        not one per request).  It wakes through a loop callback queued after
+        the start callbacks of the children the request just spawned, so
+        they have made their first switch, and joined, by then."""
+        eng.pending.append((self, req))
+        if not eng.finisher_woken:
+            eng.finisher_woken = True
+            import gevent
+            gevent.get_hub().loop.run_callback(self._wake_finisher, eng)
 
-    def _linger_then_finalize(self, eng, req):
+    def _wake_finisher(self, eng):
+        # Runs in the hub: the finisher is spawned from here so it belongs
+        # to no request.
         import gevent
-        deadline = req.end_ns + int(self.linger * 1e9)
-        try:
-            while req.profile.attached > 0 and \
-                    _lowlevel.wall_ns() < deadline:
-                gevent.sleep(0.005)
-        finally:
-            self._finalize(eng, req)
+        fin = eng.finisher
+        if fin is None or fin.dead:
+            eng.finisher = gevent.spawn(_finisher_loop, eng)
+        elif eng.finisher_wake is not None:  # (else: not started yet)
+            eng.finisher_wake.set()
+
+    def _linger_deadline(self, req):
+        return req.end_ns + int(self.linger * 1e9)
 
     def _finalize(self, eng, req):
         """Closes the profile, builds the RequestProfile and delivers it."""
@@ -701,6 +707,30 @@ class ProfilingMiddleware:
                            where)
         except Exception:
             pass
+
+
+def _finisher_loop(eng):
+    """Finishes queued profiles whose requests' greenlets are all done (or
+    whose linger ran out); sleeps while nothing waits."""
+    import gevent
+    from gevent.event import Event
+    eng.finisher_wake = Event()
+    while not eng.abandoned:
+        eng.finisher_woken = False
+        now = _lowlevel.wall_ns()
+        waiting = []
+        for mw, req in eng.pending:
+            if req.greenlet is not None and req.profile.attached > 0 and \
+                    now < mw._linger_deadline(req):
+                waiting.append((mw, req))
+            else:
+                mw._finalize(eng, req)
+        eng.pending = waiting
+        if waiting:
+            gevent.sleep(0.005)
+        else:
+            eng.finisher_wake.clear()
+            eng.finisher_wake.wait()
 
 
 class _UnsampledRequest:
