@@ -117,7 +117,6 @@ int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
 
 gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err);
 int gqp_py_thread_stop(gqp_py_thread *st);
-int gqp_py_thread_is_current(gqp_py_thread *st);
 int gqp_py_calls(gqp_py_thread *st, int on);
 int gqp_py_reinstall_calls(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);

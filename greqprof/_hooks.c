@@ -840,12 +840,6 @@ static int gqp_py_reinstall_calls(gqp_py_thread *st)
     return rc;
 }
 
-/* 1 when st is the calling thread's hook state. */
-static int gqp_py_thread_is_current(gqp_py_thread *st)
-{
-    return st && gqp__tls == st;
-}
-
 /* Frees a stopped state.  A state stopped from another thread stays
  * referenced by its thread's hooks, so it is only detached here: the hooks
  * see active == 0 and do nothing but chain. */
@@ -924,46 +918,21 @@ static uint32_t gqp_py_capture_thread(unsigned long thread_id)
 
 /* Bulk readers: copy under the GIL so a hook in another thread cannot
  * change the profile mid-read.  Return the number of entries written. */
-static size_t gqp_py_read_spans(gqp_profile *p, gqp_span *out, size_t n)
-{
-    PyGILState_STATE gs = PyGILState_Ensure();
-    size_t i = 0;
-    for (; i < n && gqp_profile_span(p, i, &out[i]) == GQP_OK; i++) {
+#define GQP_PY_READER(name, type, getter)                               \
+    static size_t name(gqp_profile *p, type *out, size_t n)            \
+    {                                                                  \
+        PyGILState_STATE gs = PyGILState_Ensure();                     \
+        size_t i = 0;                                                  \
+        for (; i < n && getter(p, i, &out[i]) == GQP_OK; i++) {        \
+        }                                                              \
+        PyGILState_Release(gs);                                        \
+        return i;                                                      \
     }
-    PyGILState_Release(gs);
-    return i;
-}
 
-static size_t gqp_py_read_funcs(gqp_profile *p, gqp_func_stat *out, size_t n)
-{
-    PyGILState_STATE gs = PyGILState_Ensure();
-    size_t i = 0;
-    for (; i < n && gqp_profile_func(p, i, &out[i]) == GQP_OK; i++) {
-    }
-    PyGILState_Release(gs);
-    return i;
-}
-
-static size_t gqp_py_read_edges(gqp_profile *p, gqp_edge_stat *out, size_t n)
-{
-    PyGILState_STATE gs = PyGILState_Ensure();
-    size_t i = 0;
-    for (; i < n && gqp_profile_edge(p, i, &out[i]) == GQP_OK; i++) {
-    }
-    PyGILState_Release(gs);
-    return i;
-}
-
-static size_t gqp_py_read_greenlets(gqp_profile *p, gqp_greenlet_stat *out,
-                                    size_t n)
-{
-    PyGILState_STATE gs = PyGILState_Ensure();
-    size_t i = 0;
-    for (; i < n && gqp_profile_greenlet(p, i, &out[i]) == GQP_OK; i++) {
-    }
-    PyGILState_Release(gs);
-    return i;
-}
+GQP_PY_READER(gqp_py_read_spans, gqp_span, gqp_profile_span)
+GQP_PY_READER(gqp_py_read_funcs, gqp_func_stat, gqp_profile_func)
+GQP_PY_READER(gqp_py_read_edges, gqp_edge_stat, gqp_profile_edge)
+GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
 
 /* ---- fault injection (tests only) ------------------------------------ */
 /* After `after` more successful allocations, the next `count` fail.  The

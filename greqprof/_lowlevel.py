@@ -142,9 +142,6 @@ class RawProfile:
         return lib.gqp_profile_greenlets_dropped(self.ptr)
 
 
-CPU_MODES = {"off": 0, "estimate": 1, "exact": 2}
-
-
 class RawTracer:
     """Owns one gqp_tracer; feeds it from the calling thread's hooks."""
 

@@ -4,7 +4,7 @@ import sys
 import threading
 import weakref
 
-from . import _collect, _registry
+from . import _collect
 from ._lowlevel import RawProfile, RawTracer, real_get_ident
 from .errors import ConfigError, ProfilerStateError
 
@@ -233,8 +233,3 @@ class Profiler:
             out.write("%8d %8d %10.6f %10.6f %10.6f  %s (%s:%d)\n"
                       % (f.ncall, f.nactualcall, f.tsub, f.ttot, f.tavg,
                          f.qualname, f.filename, f.lineno))
-
-
-def clear_registry():
-    """Drops every stored stack (they are also bounded in C)."""
-    _registry.stacks.clear()

@@ -363,18 +363,6 @@ static inline int64_t wall_now(gqp_tracer *t)
     return t->wall_fn(t->clock_ctx);
 }
 
-/* The clock a greenlet's frames are timed with. */
-static inline int64_t greenlet_clock(gqp_tracer *t, gqp__greenlet *g,
-                                     int64_t now)
-{
-    if (t->call_clock == GQP_CLOCK_WALL) {
-        return now;
-    }
-    int64_t L = t->cpu_mode == GQP_CPU_OFF ? now : cpu_at(t, now, false);
-    int64_t run = L - g->span_cpu0;
-    return g->cpu_total + (run > 0 ? run : 0);
-}
-
 /* Greenlet clock of g at wall `now` given the estimated CPU clock L. */
 static inline int64_t gclock_at(const gqp_tracer *t, const gqp__greenlet *g,
                                 int64_t now, int64_t L)
@@ -392,6 +380,17 @@ static inline int64_t gclock_paused(const gqp_tracer *t,
                                     const gqp__greenlet *g, int64_t now)
 {
     return t->call_clock == GQP_CLOCK_WALL ? now : g->cpu_total;
+}
+
+/* The clock a greenlet's frames are timed with. */
+static inline int64_t greenlet_clock(gqp_tracer *t, gqp__greenlet *g,
+                                     int64_t now)
+{
+    if (t->call_clock == GQP_CLOCK_WALL) {
+        return now; /* without touching the CPU estimator */
+    }
+    return gclock_at(t, g, now,
+                     t->cpu_mode == GQP_CPU_OFF ? now : cpu_at(t, now, false));
 }
 
 /* ---- greenlet entries ------------------------------------------------- */
