@@ -156,12 +156,24 @@ CONFIGS = {
 }
 
 
+def _wrapper(config):
+    """CONFIGS[config]'s wrapper; ``gqp{...}`` (a JSON object of
+    ProfilingMiddleware keyword arguments) for ad-hoc experiments."""
+    if config.startswith("gqp{"):
+        try:
+            kw = json.loads(config[3:])
+        except ValueError as exc:
+            raise SystemExit("bad config %r: %s" % (config, exc))
+        return _greqprof(**kw)
+    if config not in CONFIGS:
+        raise SystemExit("unknown config %r (known: %s, or gqp{JSON kwargs})"
+                         % (config, ", ".join(CONFIGS)))
+    return CONFIGS[config][1]
+
+
 def build(config, rows=DEFAULT_ROWS):
     """The WSGI app of one configuration, with /__stats outside it."""
-    if config not in CONFIGS:
-        raise SystemExit("unknown config %r (known: %s)"
-                         % (config, ", ".join(CONFIGS)))
-    wrapped = CONFIGS[config][1](make_app(rows))
+    wrapped = _wrapper(config)(make_app(rows))
     mw_stats = getattr(wrapped, "stats", None)
 
     def outer(environ, start_response):
@@ -325,7 +337,9 @@ def micro(case, kind, n, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="bare", choices=list(CONFIGS))
+    ap.add_argument("--config", default="bare",
+                    help="one of %s, or gqp{JSON ProfilingMiddleware kwargs}"
+                    % ", ".join(CONFIGS))
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0,
                     help="0: an ephemeral port (printed as PORT <n>)")

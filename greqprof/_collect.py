@@ -52,7 +52,7 @@ def spans(raw_profiles, stacks=None):
     return out
 
 
-def greenlet_stats(raw_profiles, raw_greenlets=None):
+def greenlet_stats(raw_profiles, raw_greenlets=None, names=None):
     merged = {}
     rows = raw_greenlets if raw_greenlets is not None else [
         g for rp in raw_profiles for g in rp.greenlets()]
@@ -68,7 +68,7 @@ def greenlet_stats(raw_profiles, raw_greenlets=None):
     out = []
     for gid, (name, fn, cpu, wall, sw, fin) in merged.items():
         if not name and not fn:
-            name, fn = _name_of(gid, {})
+            name, fn = _name_of(gid, names or {})
         out.append(GreenletStat(id=gid, name=name, fn_name=fn,
                                 cpu=None if cpu < 0 else cpu * NS,
                                 wall=wall * NS, switches=sw, finished=fin))

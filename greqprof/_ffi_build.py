@@ -121,6 +121,7 @@ int gqp_py_calls(gqp_py_thread *st, int on);
 int gqp_py_reinstall_calls(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);
 int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p);
+gqp_profile *gqp_py_profile_new(size_t max_spans);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);
 int gqp_py_inject_alloc_failures(long after, long count);
 long gqp_py_alloc_failures_left(void);
@@ -138,6 +139,11 @@ ffi.set_source(
     '#include "greqprof.h"\n#include "_hooks.c"\n',
     sources=[os.path.relpath(os.path.join(LIB, s), ROOT) for s in LIB_SOURCES],
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
+    # _core.c only #includes these: rebuild when they change.
+    depends=[os.path.relpath(p, ROOT) for p in (
+        os.path.join(HERE, "_hooks.c"), os.path.join(LIB, "include",
+                                                     "greqprof.h"),
+        os.path.join(LIB, "internal.h"))],
     # The hooks use the full C API (frames, tracing), not the limited one.
     py_limited_api=False,
     extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=hidden",

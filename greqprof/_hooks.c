@@ -66,6 +66,10 @@ static getter frame_getter;
 static getter parent_getter;
 static uint32_t next_tag = 1;
 static PyObject *hub_module_name;
+static PyObject *name_str;       /* "name", interned */
+static PyObject *run_str;        /* "_run" */
+static PyObject *spawning_str;   /* "spawning_greenlet" */
+static PyObject *fn_names;       /* code address -> (code, qualified name) */
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
                                    left out of captured stacks */
 
@@ -87,6 +91,10 @@ static getter find_getter(PyObject *type, const char *name)
 }
 
 /* 0 on success; -1 when greenlet or the registry cannot be loaded. */
+/* defined with their functions below */
+static PyMethodDef read_profile_def;
+static PyMethodDef attach_def;
+
 static int gqp_py_init(void)
 {
     PyGILState_STATE gs = PyGILState_Ensure();
@@ -104,6 +112,10 @@ static int gqp_py_init(void)
         goto out;
     }
     hub_module_name = PyUnicode_InternFromString("gevent.hub");
+    name_str = PyUnicode_InternFromString("name");
+    run_str = PyUnicode_InternFromString("_run");
+    spawning_str = PyUnicode_InternFromString("spawning_greenlet");
+    fn_names = PyDict_New();
     PyObject *file = PyObject_GetAttrString(reg, "__file__");
     if (file && PyUnicode_Check(file)) {
         Py_ssize_t n = PyUnicode_GetLength(file);
@@ -127,6 +139,14 @@ static int gqp_py_init(void)
         parent_getter = find_getter(gtype, "parent");
     }
     Py_XDECREF(gtype);
+    PyMethodDef *defs[] = {&read_profile_def, &attach_def};
+    for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
+        PyObject *fn = PyCFunction_New(defs[i], NULL);
+        if (!fn || PyObject_SetAttrString(reg, defs[i]->ml_name, fn) < 0) {
+            PyErr_Clear();
+        }
+        Py_XDECREF(fn);
+    }
     Py_DECREF(reg);
     Py_DECREF(gm);
     if (PyType_Ready(&gqp_hookref_type) < 0) {
@@ -194,18 +214,64 @@ static PyObject *qualified_name(PyObject *fn)
     return res;
 }
 
+/* qualified_name of a greenlet's run callable, cached by code object when
+ * it is a Python function or method: a greenlet per request usually runs
+ * one of a few functions.  Keys are code addresses; each entry holds its
+ * code object, so an address cannot be reused while it is cached. */
+#define GQP_PY_MAX_FN_NAMES 4096
+
+static PyObject *run_name(PyObject *run)
+{
+    PyObject *f = PyMethod_Check(run) ? PyMethod_GET_FUNCTION(run) : run;
+    if (!fn_names || !PyFunction_Check(f)) {
+        return qualified_name(run);
+    }
+    PyObject *code = PyFunction_GET_CODE(f);
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (!key) {
+        PyErr_Clear();
+        return qualified_name(run);
+    }
+    PyObject *hit = PyDict_GetItemWithError(fn_names, key);
+    if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
+        PyTuple_GET_ITEM(hit, 0) == code) {
+        Py_DECREF(key);
+        return Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    }
+    PyErr_Clear();
+    PyObject *res = qualified_name(run);
+    if (res) {
+        if (PyDict_GET_SIZE(fn_names) >= GQP_PY_MAX_FN_NAMES) {
+            PyDict_Clear(fn_names);
+        }
+        PyObject *val = PyTuple_Pack(2, code, res);
+        if (!val || PyDict_SetItem(fn_names, key, val) < 0) {
+            PyErr_Clear();
+        }
+        Py_XDECREF(val);
+    }
+    Py_DECREF(key);
+    return res;
+}
+
 /* New references to (name, fn_name) strings for a greenlet. */
 static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
 {
     *name = NULL;
     *fn_name = NULL;
-    /* gevent.Greenlet has a `name`; other greenlets use their class name. */
+    /* A name the app gave a gevent Greenlet (g.name = ...) is in its
+     * __dict__.  The generated "Greenlet-N" is not read: gevent builds it
+     * from an ident registry (microseconds per greenlet) and shows it in
+     * the greenlet's repr from then on, so reading it would change the app.
+     * Other greenlets go by their class name. */
     PyObject *n = NULL;
-    if (PyObject_HasAttrString((PyObject *)Py_TYPE(g), "spawning_greenlet") ||
-        PyObject_HasAttrString((PyObject *)Py_TYPE(g), "_run")) {
-        n = PyObject_GetAttrString(g, "name");
-        if (n && !PyUnicode_Check(n)) {
-            Py_CLEAR(n);
+    PyObject **dictptr = _PyObject_GetDictPtr(g);
+    if (dictptr && *dictptr && PyDict_Check(*dictptr)) {
+        n = PyDict_GetItemWithError(*dictptr, name_str);
+        if (n && PyUnicode_Check(n)) {
+            Py_INCREF(n);
+        } else {
+            n = NULL;
         }
     }
     PyErr_Clear();
@@ -215,24 +281,40 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
         n = PyUnicode_FromString(dot ? dot + 1 : tn);
     }
     *name = n;
-    PyObject *run = PyObject_GetAttrString(g, "_run");
+    PyObject *run = PyObject_GetAttr(g, run_str);
     int from_underscore = run != NULL;
     if (!run || run == Py_None) {
         Py_XDECREF(run);
         PyErr_Clear();
         from_underscore = 0;
-        run = PyObject_GetAttrString(g, "run");
+        if (PyObject_IsTrue(g) == 1 || is_dead(g)) {
+            /* A started greenlet has no `run` of its own (greenlet raises
+             * that error as a C++ exception, microseconds to unwind): only
+             * a subclass's run method (gevent's Hub) names it. */
+            PyErr_Clear();
+            run = PyObject_GetAttrString((PyObject *)Py_TYPE(g), "run");
+            if (run && Py_IS_TYPE(run, &PyGetSetDescr_Type)) {
+                Py_CLEAR(run);
+            }
+        } else {
+            PyErr_Clear();
+            run = PyObject_GetAttrString(g, "run");
+        }
     }
     PyErr_Clear();
     if (run) {
         /* A finished gevent Greenlet no longer has its own `_run`: the
          * lookup then finds the class's method, bound to g itself, which
          * names no function of the app. */
-        PyObject *self = from_underscore
-            ? PyObject_GetAttrString(run, "__self__") : NULL;
+        PyObject *self = NULL;
+        if (from_underscore) {
+            self = PyMethod_Check(run) ? Py_NewRef(PyMethod_GET_SELF(run))
+                                       : PyObject_GetAttrString(run,
+                                                                "__self__");
+        }
         PyErr_Clear();
         if (self != g) {
-            *fn_name = qualified_name(run);
+            *fn_name = run_name(run);
         }
         Py_XDECREF(self);
         Py_DECREF(run);
@@ -251,7 +333,26 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
 static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
                             gqp_profile *p)
 {
-    PyObject *name, *fn;
+    PyObject *name = NULL, *fn = NULL;
+    PyObject *key = PyLong_FromUnsignedLongLong(id);
+    /* Ids are never reused, so names found once stay right: a connection
+     * greenlet attached to every sampled request it serves is named once. */
+    PyObject *known = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    if (known && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 2) {
+        name = PyTuple_GET_ITEM(known, 0);
+        fn = PyTuple_GET_ITEM(known, 1);
+        if (p) {
+            const char *cn = name != Py_None ? PyUnicode_AsUTF8(name) : NULL;
+            PyErr_Clear();
+            const char *cf = fn != Py_None ? PyUnicode_AsUTF8(fn) : NULL;
+            PyErr_Clear();
+            gqp_profile_name_greenlet(p, id, cn ? cn : "", cf ? cf : "");
+        }
+        Py_DECREF(key);
+        PyErr_Clear();
+        return;
+    }
+    PyErr_Clear();
     greenlet_names(g, &name, &fn);
     const char *cn = name ? PyUnicode_AsUTF8(name) : NULL;
     PyErr_Clear();
@@ -264,9 +365,7 @@ static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
     if (PyDict_GET_SIZE(reg_names) >= GQP_PY_MAX_NAMES) {
         PyDict_Clear(reg_names);
     }
-    PyObject *key = PyLong_FromUnsignedLongLong(id);
-    PyObject *val = Py_BuildValue("(OO)", name ? name : Py_None,
-                                  fn ? fn : Py_None);
+    PyObject *val = PyTuple_Pack(2, name ? name : Py_None, fn ? fn : Py_None);
     if (key && val) {
         PyDict_SetItem(reg_names, key, val);
     }
@@ -449,7 +548,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     uint64_t parent_id = 0, parent_key = 0;
     if (st->inherit) {
         /* gevent records who spawned a Greenlet (a weak reference). */
-        PyObject *ref = PyObject_GetAttrString(target, "spawning_greenlet");
+        PyObject *ref = PyObject_GetAttr(target, spawning_str);
         PyErr_Clear();
         if (ref && PyWeakref_Check(ref)) {
             PyObject *parent = PyWeakref_GetObject(ref);
@@ -893,6 +992,65 @@ static int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p)
     return rc;
 }
 
+/* _registry.attach(hooks, greenlet, profile): gqp_py_attach for the
+ * middleware's per-request path, called with the GIL held (no cffi call,
+ * no GIL round trip).  hooks and profile are addresses of live objects the
+ * caller owns (profile 0: detach).  Returns the greenlet's tracer id, or a
+ * negative GQP_E* code. */
+static PyObject *attach_fast(PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "attach takes 3 arguments");
+        return NULL;
+    }
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
+    gqp_profile *p = (gqp_profile *)PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *g = args[1];
+    int rc = GQP_EINVAL;
+    if (st) {
+        rc = GQP_ESTATE;
+    }
+    if (st && st->active && st->tracer) {
+        rc = gqp_tracer_attach(st->tracer, (uint64_t)(uintptr_t)g, p);
+        if (rc > 0 && (rc & GQP_EV_LONG_SPAN)) {
+            on_long_span(st, g, 0);
+        }
+        if (rc >= 0) {
+            uint64_t id = 0;
+            gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
+            if (p && id) {
+                name_in_profile(st, g, id, p);
+            }
+            PyErr_Clear();
+            return PyLong_FromUnsignedLongLong(id);
+        }
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef attach_def = {
+    "attach", (PyCFunction)(void (*)(void))attach_fast, METH_FASTCALL,
+    "Attaches a greenlet to a profile and returns its id (internal)."};
+
+/* One call instead of three: a profile for one request. */
+static gqp_profile *gqp_py_profile_new(size_t max_spans)
+{
+    gqp_profile *p = NULL;
+    if (gqp_profile_new(&p) != GQP_OK) {
+        return NULL;
+    }
+    if (gqp_profile_set(p, GQP_PROFILE_MAX_SPANS, max_spans) != GQP_OK) {
+        gqp_profile_free(p);
+        return NULL;
+    }
+    return p;
+}
+
 /* Stack of a thread's running frame (for watchdogs), stored under a tag;
  * 0 when nothing could be captured. */
 static uint32_t gqp_py_capture_thread(unsigned long thread_id)
@@ -933,6 +1091,161 @@ GQP_PY_READER(gqp_py_read_spans, gqp_span, gqp_profile_span)
 GQP_PY_READER(gqp_py_read_funcs, gqp_func_stat, gqp_profile_func)
 GQP_PY_READER(gqp_py_read_edges, gqp_edge_stat, gqp_profile_edge)
 GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
+
+/* ---- one-call profile reader ------------------------------------------ */
+/* _registry.read_profile(profile, tracer, start_ns, end_ns, top): what a
+ * request's report needs, read in one call into plain tuples (cffi would
+ * pay a call, a buffer and a field lookup for every value):
+ *   (spans, greenlets, longest, end_ns, waited_ns, waited_top, complete,
+ *    spans_dropped, calls_dropped, epoch_origin, wall_origin)
+ * spans: [(greenlet_id, start_ns, end_ns, cpu_ns, flags, tag)]; greenlets:
+ * [(id, wall_ns, cpu_ns, switches, first_ns, last_ns, finished, name,
+ * fn_name)]; end_ns: the later of end_ns and the last span's end, the
+ * window waited_* cover.  profile and tracer are the addresses of live
+ * objects the caller owns (internal: greqprof.middleware only). */
+static PyObject *span_tuple(const gqp_span *sp)
+{
+    return Py_BuildValue("(KLLLII)", (unsigned long long)sp->greenlet_id,
+                         (long long)sp->start_ns, (long long)sp->end_ns,
+                         (long long)sp->cpu_ns, (unsigned)sp->flags,
+                         (unsigned)sp->tag);
+}
+
+#define GQP_PY_WAITED_TOP 16
+
+static PyObject *read_profile(PyObject *self, PyObject *const *args,
+                              Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "read_profile takes 5 arguments");
+        return NULL;
+    }
+    gqp_profile *p = (gqp_profile *)PyLong_AsVoidPtr(args[0]);
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(args[1]);
+    long long start_ns = PyLong_AsLongLong(args[2]);
+    long long end_ns = PyLong_AsLongLong(args[3]);
+    Py_ssize_t top = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!p || top < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_profile: bad arguments");
+        return NULL;
+    }
+    if (top > GQP_PY_WAITED_TOP) {
+        top = GQP_PY_WAITED_TOP;
+    }
+    PyObject *spans = NULL, *greenlets = NULL, *longest = NULL;
+    PyObject *waited = NULL, *res = NULL;
+    size_t n = gqp_profile_span_count(p);
+    spans = PyList_New(0);
+    if (!spans) {
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        gqp_span sp;
+        if (gqp_profile_span(p, i, &sp) != GQP_OK) {
+            break;
+        }
+        if (sp.end_ns > end_ns) {
+            end_ns = sp.end_ns;
+        }
+        PyObject *tup = span_tuple(&sp);
+        if (!tup || PyList_Append(spans, tup) < 0) {
+            Py_XDECREF(tup);
+            goto done;
+        }
+        Py_DECREF(tup);
+    }
+    n = gqp_profile_greenlet_count(p);
+    greenlets = PyList_New(0);
+    if (!greenlets) {
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        gqp_greenlet_stat g;
+        if (gqp_profile_greenlet(p, i, &g) != GQP_OK) {
+            break;
+        }
+        PyObject *tup = Py_BuildValue(
+            "(KLLKLLNs#s#)", (unsigned long long)g.greenlet_id,
+            (long long)g.wall_ns, (long long)g.cpu_ns,
+            (unsigned long long)g.switches, (long long)g.first_ns,
+            (long long)g.last_ns, PyBool_FromLong(g.finished),
+            g.name ? g.name : "", (Py_ssize_t)(g.name ? strlen(g.name) : 0),
+            g.fn_name ? g.fn_name : "",
+            (Py_ssize_t)(g.fn_name ? strlen(g.fn_name) : 0));
+        if (!tup) {
+            /* a name that is not UTF-8: the name is dropped, not the row */
+            PyErr_Clear();
+            tup = Py_BuildValue(
+                "(KLLKLLNss)", (unsigned long long)g.greenlet_id,
+                (long long)g.wall_ns, (long long)g.cpu_ns,
+                (unsigned long long)g.switches, (long long)g.first_ns,
+                (long long)g.last_ns, PyBool_FromLong(g.finished), "", "");
+        }
+        if (!tup || PyList_Append(greenlets, tup) < 0) {
+            Py_XDECREF(tup);
+            goto done;
+        }
+        Py_DECREF(tup);
+    }
+    gqp_span lg;
+    if (gqp_profile_longest_span(p, &lg) == GQP_OK) {
+        longest = span_tuple(&lg);
+        if (!longest) {
+            goto done;
+        }
+    } else {
+        longest = Py_NewRef(Py_None);
+    }
+    int64_t total = 0;
+    int complete = 1;
+    uint64_t ids[GQP_PY_WAITED_TOP];
+    int64_t ns[GQP_PY_WAITED_TOP];
+    int got = 0;
+    if (t) {
+        got = gqp_tracer_waited(t, p, start_ns, end_ns, &total, ids, ns,
+                                (size_t)top, &complete);
+        if (got < 0) {
+            PyErr_Format(PyExc_RuntimeError, "gqp_tracer_waited: %s",
+                         gqp_strerror(got));
+            goto done;
+        }
+    }
+    waited = PyList_New(0);
+    if (!waited) {
+        goto done;
+    }
+    for (int i = 0; i < got; i++) {
+        PyObject *tup = Py_BuildValue("(KL)", (unsigned long long)ids[i],
+                                      (long long)ns[i]);
+        if (!tup || PyList_Append(waited, tup) < 0) {
+            Py_XDECREF(tup);
+            goto done;
+        }
+        Py_DECREF(tup);
+    }
+    res = Py_BuildValue(
+        "(OOOLLONKKLL)", spans, greenlets, longest, end_ns, (long long)total,
+        waited, PyBool_FromLong(complete),
+        (unsigned long long)gqp_profile_spans_dropped(p),
+        (unsigned long long)gqp_profile_calls_dropped(p),
+        (long long)gqp_profile_epoch_origin(p),
+        (long long)gqp_profile_wall_origin(p));
+done:
+    Py_XDECREF(spans);
+    Py_XDECREF(greenlets);
+    Py_XDECREF(longest);
+    Py_XDECREF(waited);
+    return res;
+}
+
+static PyMethodDef read_profile_def = {
+    "read_profile", (PyCFunction)(void (*)(void))read_profile, METH_FASTCALL,
+    "Everything a request report needs from a profile, in one call "
+    "(internal)."};
 
 /* ---- fault injection (tests only) ------------------------------------ */
 /* After `after` more successful allocations, the next `count` fail.  The

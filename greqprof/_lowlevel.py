@@ -40,6 +40,20 @@ def library_version():
     return ffi.string(lib.gqp_version_string()).decode()
 
 
+class ClockOrigin:
+    """Maps the profile's wall-clock readings to the epoch."""
+
+    __slots__ = ("epoch_origin", "wall_origin")
+
+    def __init__(self, epoch_origin, wall_origin):
+        self.epoch_origin = epoch_origin
+        self.wall_origin = wall_origin
+
+    def to_epoch(self, wall_ns):
+        """Seconds since the epoch for a wall-clock reading in ns."""
+        return (self.epoch_origin + (wall_ns - self.wall_origin)) * NS
+
+
 class RawProfile:
     """Owns one gqp_profile."""
 
@@ -60,8 +74,31 @@ class RawProfile:
         if max_greenlets != 65536:
             self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
                       "max_greenlets")
-        self.epoch_origin = lib.gqp_profile_epoch_origin(self.ptr)
-        self.wall_origin = lib.gqp_profile_wall_origin(self.ptr)
+
+    @classmethod
+    def for_request(cls, max_spans):
+        """A profile for one request, made in one C call (the sampled
+        request path); ``addr`` is its address for _registry functions."""
+        ptr = lib.gqp_py_profile_new(max_spans)
+        if ptr == ffi.NULL:  # (the only way gqp_profile_new can fail)
+            _check(lib.GQP_ENOMEM, "gqp_profile_new")
+        self = cls.__new__(cls)
+        self.ptr = ffi.gc(ptr, lib.gqp_profile_free)
+        self.addr = int(ffi.cast("uintptr_t", ptr))
+        return self
+
+    @property
+    def epoch_origin(self):
+        return lib.gqp_profile_epoch_origin(self.ptr)
+
+    @property
+    def wall_origin(self):
+        return lib.gqp_profile_wall_origin(self.ptr)
+
+    def origin(self):
+        """The clock origins of this profile, for to_epoch() once the
+        profile itself is gone."""
+        return ClockOrigin(self.epoch_origin, self.wall_origin)
 
     def _set(self, param, value, name):
         _check(lib.gqp_profile_set(self.ptr, param, int(value)),
@@ -163,6 +200,7 @@ class RawTracer:
         if history != 4096:
             self.set(lib.GQP_TRACER_HISTORY, history, "history")
         self.hooks = None
+        self.hooks_addr = 0
         self.thread_ident = None
 
     def set(self, param, value, what):
@@ -194,6 +232,7 @@ class RawTracer:
             }.get(err[0], "error %d" % err[0])
             raise ProfilerStateError("cannot start profiling: " + reason)
         self.hooks = st
+        self.hooks_addr = int(ffi.cast("uintptr_t", st))
         self.thread_ident = real_get_ident()
 
     def set_calls(self, on):
@@ -208,6 +247,7 @@ class RawTracer:
     def uninstall(self):
         if self.hooks is None:
             return
+        self.hooks_addr = 0
         lib.gqp_py_thread_stop(self.hooks)
         lib.gqp_py_thread_free(self.hooks)
         self.hooks = None
@@ -220,6 +260,13 @@ class RawTracer:
         _check(lib.gqp_py_attach(self.hooks, id(greenlet),
                                  profile.ptr if profile is not None
                                  else ffi.NULL), "attach")
+
+    def attach_id(self, greenlet, profile_addr):
+        """attach() for the per-request path, in one call without cffi:
+        the profile by its ``addr`` (0: detach).  Returns the greenlet's
+        id."""
+        return _check(_registry.attach(self.hooks_addr, greenlet,
+                                       profile_addr), "attach")
 
     def set_spawn_profile(self, greenlet, profile):
         """Greenlets spawned by `greenlet` inherit `profile` from now on."""

@@ -15,3 +15,11 @@ long_spans = []
 names = {}
 #: greenlet id -> id of the greenlet that spawned it (bounded in C)
 parents = {}
+#: read_profile(profile_address, tracer_address, start_ns, end_ns, top):
+#: a request profile's rows in one call (a C function set by the hooks'
+#: initialisation; see _hooks.c)
+read_profile = None
+#: attach(hooks_address, greenlet, profile_address): attaches a greenlet
+#: of the hooks' thread to a profile (0: detaches) and returns its id (a C
+#: function, see _hooks.c)
+attach = None

@@ -196,6 +196,7 @@ class ProfilingMiddleware:
                 self._trigger_key = None
                 self._trigger_secret = None
             self._open = 0
+            self._engine = None   # the last engine this middleware joined
             _middlewares.add(self)
             self._lock = threading.Lock()
             self._errors_logged = set()
@@ -302,8 +303,9 @@ class ProfilingMiddleware:
             if not cfg.blocking_ns:
                 return None
         eng = engine_for_thread(cfg)
-        if self not in eng.middlewares:
+        if self._engine is not eng:
             eng.middlewares.add(self)
+            self._engine = eng
         g = getcurrent()
         req = _OpenRequest()
         req.generation = _engine.fork_generation()
@@ -320,12 +322,8 @@ class ProfilingMiddleware:
         req.blocking = []
         req.observed = None
         req.sampled_by = sampled_by
-        req.gid = eng.tracer.greenlet_id(g)
-        if eng.lingering and req.gid in eng.lingering:
-            # The previous request on this connection is still waiting for
-            # its children: new children must not join it.
-            eng.tracer.set_spawn_profile(g, None)
-            del eng.lingering[req.gid]
+        if eng.lingering:
+            self._stop_lingering(eng, g)
         if sampled_by is not None:
             with self._lock:
                 if self._open >= cfg.max_open:
@@ -334,28 +332,31 @@ class ProfilingMiddleware:
                 else:
                     self._open += 1
         req.start_ns = _lowlevel.wall_ns()
+        req.gid = None
         if sampled_by is not None:
             try:
-                req.profile = RawProfile(max_spans=cfg.max_spans,
-                                         keep="first")
-                eng.tracer.attach(g, req.profile)
+                rp = RawProfile.for_request(cfg.max_spans)
+                req.gid = eng.tracer.attach_id(g, rp.addr)
+                req.profile = rp
+                req.addr = rp.addr
                 try:
                     if cfg.calls:
                         eng.acquire_calls()
                 except Exception:
-                    eng.tracer.attach(g, None)
+                    eng.tracer.attach_id(g, 0)
                     raise
                 self.stats["sampled"] += 1
             except Exception as e:
                 with self._lock:
                     self._open -= 1
-                req.profile = None
+                req.profile = req.addr = None
                 req.sampled_by = None
                 self._internal_error("open profile", e)
+        if req.gid is None:
+            req.gid = eng.tracer.greenlet_id(g)
         if req.gid is not None:
             eng.requests[req.gid] = req
         if req.profile is not None:
-            req.addr = self._addr(req.profile)
             eng.profile_requests[req.addr] = req
         if cfg.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
@@ -364,6 +365,15 @@ class ProfilingMiddleware:
             for obs in self.observers:
                 self._notify(obs, "on_begin", req)
         return req
+
+    @staticmethod
+    def _stop_lingering(eng, g):
+        """g starts a new request while its previous sampled request still
+        waits for its children: from now on, what g spawns is not that
+        request's."""
+        prev = eng.lingering.pop(id(g), None)
+        if prev is not None:
+            eng.tracer.set_spawn_profile(g, None)
 
     MAX_UNSAMPLED = 4096
 
@@ -378,11 +388,14 @@ class ProfilingMiddleware:
         if eng is None or eng.blocking_ns > self.config.blocking_ns:
             # (also lowers a shared engine's threshold to this one's)
             eng = engine_for_thread(self.config)
-        if self not in eng.middlewares:
+        if self._engine is not eng:
             eng.middlewares.add(self)
+            self._engine = eng
         if not eng.drain_started:
             self._start_drain_loop(eng)
         g = getcurrent()
+        if eng.lingering:
+            self._stop_lingering(eng, g)
         entry = (_monotonic_ns(), environ.get("REQUEST_METHOD", ""),
                  environ.get("PATH_INFO", ""),
                  environ.get("HTTP_X_REQUEST_ID"), g)
@@ -421,14 +434,14 @@ class ProfilingMiddleware:
             if req.profile is not None:
                 # Later spans of this greenlet (the next keep-alive request)
                 # are not this request's; greenlets it spawned still are.
-                eng.tracer.attach(g, None)
+                eng.tracer.attach_id(g, 0)
             elif self.config.blocking_ns and req.gid is not None:
                 # Close a long-running span now so it is reported with this
                 # request's name.
                 run = eng.tracer.running_since()
                 if run is not None and run[1] == req.gid and \
                         req.end_ns - run[0] >= self.config.blocking_ns:
-                    eng.tracer.attach(g, None)
+                    eng.tracer.attach_id(g, 0)
             self._drain_blocking(eng)
             if self.observers:
                 # Observers (OpenTelemetry) see the request while its trace
@@ -442,7 +455,7 @@ class ProfilingMiddleware:
             if req.profile is not None:
                 if self.linger > 0:
                     eng.tracer.set_spawn_profile(g, req.profile)
-                    eng.lingering[req.gid] = req
+                    eng.lingering[id(g)] = req
                     self._schedule_finalize(eng, req)
                     return
                 self._finalize(eng, req)
@@ -487,8 +500,8 @@ class ProfilingMiddleware:
             req.greenlet = None  # the parent's request: not ours to report
             return
         try:
-            if eng.lingering.get(req.gid) is req:
-                del eng.lingering[req.gid]
+            if eng.lingering.get(id(req.greenlet)) is req:
+                del eng.lingering[id(req.greenlet)]
                 if not req.greenlet.dead:
                     eng.tracer.set_spawn_profile(req.greenlet, None)
             req.profile.close()
@@ -515,57 +528,77 @@ class ProfilingMiddleware:
 
     def _build(self, eng, req, end_ns, snapshot=False):
         """The RequestProfile of req; snapshot=True reads an open profile
-        without consuming its stacks (for observers)."""
+        without consuming its stacks (for observers).
+
+        Only what must be read now is read now: the profile's rows (its C
+        memory goes once the request is finalized), the stacks, the waiting
+        time (the tracer's history moves on) and the names.  The public
+        records (Span, GreenletStat, ...) are built when first read."""
         rp = req.profile
-        stacks = {}
-        raw_spans = rp.spans()
-        take = _registry.stacks.get if snapshot else _registry.stacks.pop
+        (raw_spans, raw_greenlets, longest, end_ns, total, top, complete,
+         dropped_spans, dropped_calls, epoch0, wall0) = \
+            _registry.read_profile(req.addr, eng.tracer_addr, req.start_ns,
+                                   end_ns, 8)
+        stacks = None
+        reg_names = _registry.names
+        # Names of greenlets the profile did not name (registry entries of
+        # dead greenlets are dropped after a while).
+        fallback = {}
         for s in raw_spans:
             if s[5]:
+                take = _registry.stacks.get if snapshot else \
+                    _registry.stacks.pop
                 text = take(s[5], None)
                 if text is not None:
+                    if stacks is None:
+                        stacks = {}
                     stacks[s[5]] = text
-        raw_greenlets = rp.greenlets()
-        names = _collect.greenlet_names([rp], raw_greenlets)
-        spans = [_collect.make_span(rp, s, names, stacks) for s in raw_spans]
-        longest = rp.longest("wall")
-        longest_span = (_collect.make_span(rp, longest, names, stacks)
-                        if longest else None)
-        cpu_total = 0
-        any_cpu = False
-        greenlets = _collect.greenlet_stats([rp], raw_greenlets)
-        for g in greenlets:
-            if g.cpu is not None:
-                any_cpu = True
-                cpu_total += g.cpu
-        for raw in raw_spans:
-            end_ns = max(end_ns, raw[2])
-        total, top, complete = eng.tracer.waited(rp, req.start_ns, end_ns,
-                                                 top=8)
-        waited = []
-        for gid, ns in top:
-            name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
-            if fn and fn.startswith("greqprof."):
-                continue  # greqprof's own housekeeping greenlets
-            waited.append(WaitedOn(greenlet_id=gid, name=name or "",
-                                   fn_name=fn or "", seconds=ns * NS))
+            gid = s[0]
+            if gid not in fallback:
+                fallback[gid] = reg_names.get(gid)
+        top = [(gid, ns, reg_names.get(gid)) for gid, ns in top]
         calls = None
         if self.config.calls:
             # greqprof's own frames (the middleware around the app) are
             # profiling overhead, not the app's time.
             calls = [f for f in _collect.func_stats([rp])
                      if not f.filename.startswith(_OWN_DIR)]
-        return RequestProfile(
-            method=req.method, path=req.path, status=req.status,
-            start=rp.to_epoch(req.start_ns), end=rp.to_epoch(end_ns),
-            wall=(end_ns - req.start_ns) * NS,
-            cpu=cpu_total if any_cpu else None, spans=spans,
-            longest_span=longest_span,
-            waiting=Waiting(seconds=total * NS, top=tuple(waited),
-                            complete=complete),
-            calls=calls, dropped_spans=rp.spans_dropped,
-            dropped_calls=rp.calls_dropped, greenlets=greenlets,
-            clock=self.config.clock, sampled_by=req.sampled_by,
+        origin = _lowlevel.ClockOrigin(epoch0, wall0)
+        wait_ns = total
+
+        def load():
+            names = _collect.greenlet_names(None, raw_greenlets)
+            for gid, n in fallback.items():
+                if gid not in names and n:
+                    names[gid] = n
+            st = stacks or {}
+            spans = [_collect.make_span(origin, x, names, st)
+                     for x in raw_spans]
+            greenlets = _collect.greenlet_stats(None, raw_greenlets, names)
+            cpus = [g.cpu for g in greenlets if g.cpu is not None]
+            waited = []
+            for gid, ns, n in top:
+                name, fn = n or ("greenlet-%d" % gid, "")
+                if fn and fn.startswith("greqprof."):
+                    continue  # greqprof's own housekeeping greenlets
+                waited.append(WaitedOn(greenlet_id=gid, name=name or "",
+                                       fn_name=fn or "", seconds=ns * NS))
+            return {
+                "spans": spans,
+                "longest_span": (_collect.make_span(origin, longest, names,
+                                                    st) if longest else None),
+                "greenlets": greenlets,
+                "cpu": sum(cpus) if cpus else None,
+                "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
+                                   complete=complete),
+            }
+
+        return RequestProfile._deferred(
+            load, method=req.method, path=req.path, status=req.status,
+            start=origin.to_epoch(req.start_ns), end=origin.to_epoch(end_ns),
+            wall=(end_ns - req.start_ns) * NS, calls=calls,
+            dropped_spans=dropped_spans, dropped_calls=dropped_calls,
+            blocking=[], clock=self.config.clock, sampled_by=req.sampled_by,
             request_id=req.request_id, pid=os.getpid(),
             hostname=self.hostname, error=req.error)
 

@@ -92,6 +92,35 @@ class RequestProfile:
     hostname: str = ""
     error: Optional[str] = None
 
+    @classmethod
+    def _deferred(cls, loader, **fields):
+        """A profile whose remaining fields (``DEFERRED``) are built by
+        ``loader()`` on first access.  The middleware hands every sampled
+        request to its sink this way: a sink that keeps or drops profiles
+        without reading their spans does not pay for building them."""
+        self = cls.__new__(cls)
+        self.__dict__.update(fields)
+        self.__dict__["_loader"] = loader
+        return self
+
+    #: fields a deferred profile builds on first access
+    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets")
+
+    def __getattr__(self, name):
+        # Only reached for an attribute the instance does not have yet.
+        loader = self.__dict__.pop("_loader", None)
+        if loader is None or name.startswith("__"):
+            if loader is not None:
+                self.__dict__["_loader"] = loader
+            raise AttributeError("%r object has no attribute %r"
+                                 % (type(self).__name__, name))
+        self.__dict__.update(loader())
+        return getattr(self, name)
+
+    def __getstate__(self):
+        self.spans  # noqa: B018  (builds deferred fields before pickling)
+        return self.__dict__
+
     @property
     def longest_cpu_span(self):
         spans = [s for s in self.spans if s.cpu is not None]
