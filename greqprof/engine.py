@@ -48,6 +48,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: CPU clock window (ns) while a sampled profile is open in a thread: each
+#: span's CPU time is within it (docs/accuracy.md) ...
+CPU_WINDOW_PROFILING = 100000
+#: ... and while none is: only blocking spans (>= blocking_ms) need CPU
+#: time then, and reading the clock (a system call) every 100 us would cost
+#: a few per request
+CPU_WINDOW_IDLE = 10000000
+
+
 class Engine:
     """The tracer of one thread plus the bookkeeping of its open requests."""
 
@@ -55,7 +64,7 @@ class Engine:
         self.config = config
         self.tracer = RawTracer(
             cpu_mode=config.cpu_mode, call_clock=config.clock,
-            long_span_ns=config.blocking_ns, cpu_window_ns=100000)
+            long_span_ns=config.blocking_ns, cpu_window_ns=CPU_WINDOW_IDLE)
         self.tracer.set_default(None)
         self.tracer_addr = int(_lowlevel.ffi.cast("uintptr_t", self.tracer.ptr))
         # The call hook is only on while a sampled request wants calls
@@ -68,6 +77,7 @@ class Engine:
         # the middlewares served by this thread (they share the engine)
         self.middlewares = weakref.WeakSet()
         self.calls_users = 0
+        self.open_profiles = 0
         self.thread_ident = real_get_ident()
         self.pid = os.getpid()
         # greenlet id -> (method, path, request_id) of open requests
@@ -90,6 +100,21 @@ class Engine:
         self.sampled_stacks = {}
         self.generation = _fork_generation[0]
         self.abandoned = False
+
+    def profile_opened(self):
+        self.open_profiles += 1
+        if self.open_profiles == 1:
+            # The next event re-reads the clock (the last reading is older
+            # than the new window), so this profile's first span is exact.
+            self.tracer.set(_lowlevel.lib.GQP_TRACER_CPU_WINDOW_NS,
+                            CPU_WINDOW_PROFILING, "cpu window")
+
+    def profile_closed(self):
+        if self.open_profiles > 0:
+            self.open_profiles -= 1
+            if self.open_profiles == 0 and not self.abandoned:
+                self.tracer.set(_lowlevel.lib.GQP_TRACER_CPU_WINDOW_NS,
+                                CPU_WINDOW_IDLE, "cpu window")
 
     def acquire_calls(self):
         self.calls_users += 1

@@ -76,7 +76,8 @@ class _Config:
         self.watchdog = bool(watchdog)
         self.max_open = max_open
         # Spans need CPU time for the report; the estimate reads the thread
-        # CPU clock at most every 100 us.
+        # CPU clock at most every 100 us while a sampled request is open,
+        # every 10 ms otherwise (engine.CPU_WINDOW_*).
         self.cpu_mode = "estimate"
 
 
@@ -339,6 +340,7 @@ class ProfilingMiddleware:
                 req.gid = eng.tracer.attach_id(g, rp.addr)
                 req.profile = rp
                 req.addr = rp.addr
+                eng.profile_opened()
                 try:
                     if cfg.calls:
                         eng.acquire_calls()
@@ -505,6 +507,7 @@ class ProfilingMiddleware:
                 if not req.greenlet.dead:
                     eng.tracer.set_spawn_profile(req.greenlet, None)
             req.profile.close()
+            eng.profile_closed()
             with self._lock:
                 self._open -= 1
             if self.config.calls:

@@ -223,6 +223,13 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         t->long_ns = value;
         return GQP_OK;
     }
+    if (param == GQP_TRACER_CPU_WINDOW_NS) {
+        /* Only compared with the age of the last reading: may change at any
+         * time; a smaller window takes effect at the next event. */
+        if (value < 0) return GQP_ERANGE;
+        t->window = value;
+        return GQP_OK;
+    }
     if (t->cur) {
         return GQP_ESTATE;
     }
@@ -235,20 +242,15 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         t->cpu_mode = (int)value;
         t->est_init = false;
         return GQP_OK;
-    case GQP_TRACER_CPU_WINDOW_NS:
-        if (value < 0) return GQP_ERANGE;
-        t->window = value;
-        return GQP_OK;
     case GQP_TRACER_CALL_CLOCK:
         if (value != GQP_CLOCK_CPU && value != GQP_CLOCK_WALL) {
             return GQP_ERANGE;
         }
         t->call_clock = (int)value;
         return GQP_OK;
-    case GQP_TRACER_LONG_SPAN_NS:
-        if (value < 0) return GQP_ERANGE;
-        t->long_ns = value;
-        return GQP_OK;
+    case GQP_TRACER_LONG_SPAN_NS:  /* handled above */
+    case GQP_TRACER_CPU_WINDOW_NS:
+        return GQP_EINVAL;
     case GQP_TRACER_MAX_DEPTH:
         if (value < 1 || value > (1 << 24)) return GQP_ERANGE;
         t->max_depth = (uint32_t)value;

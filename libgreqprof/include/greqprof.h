@@ -284,7 +284,8 @@ GQP_API int gqp_tracer_new(gqp_tracer **out);
 GQP_API void gqp_tracer_free(gqp_tracer *t);
 /* Parameters may be changed only while no greenlet is running (before the
  * first event or after gqp_tracer_flush), else GQP_ESTATE;
- * GQP_TRACER_LONG_SPAN_NS may be changed at any time. */
+ * GQP_TRACER_LONG_SPAN_NS and GQP_TRACER_CPU_WINDOW_NS may be changed at any
+ * time (a narrower window reads the real clock at the next event). */
 GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
                            int64_t value);
 GQP_API int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,

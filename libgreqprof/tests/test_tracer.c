@@ -105,7 +105,8 @@ TEST(tracer_params_rejected_while_running)
         before[i] = tget(t, params[i]);
     EV(gqp_tracer_switch(t, 0, KG, 0));
     for (int i = 0; i < 7; i++) {
-        if (params[i] == GQP_TRACER_LONG_SPAN_NS)
+        if (params[i] == GQP_TRACER_LONG_SPAN_NS ||
+            params[i] == GQP_TRACER_CPU_WINDOW_NS)
             continue; /* "may be changed at any time" */
         ASSERT_RC(gqp_tracer_set(t, params[i], values[i]), GQP_ESTATE);
         ASSERT_EQ_I64(tget(t, params[i]), before[i]);
@@ -132,6 +133,40 @@ TEST(tracer_params_rejected_while_running)
     ASSERT_RC(gqp_tracer_set(t, GQP_TRACER_CPU_MODE, GQP_CPU_EXACT),
               GQP_ESTATE);
     gqp_tracer_free(t);
+}
+
+/* The CPU window may change while greenlets run.  A wide window lets the
+ * estimate count off-CPU time as CPU; narrowing it makes the next event
+ * read the real clock, so the spans after it are within the new window. */
+TEST(tracer_cpu_window_changes_while_running)
+{
+    fake_clock c;
+    fc_init(&c);
+    gqp_profile *p = NULL;
+    gqp_tracer *t = new_tracer_profile(&c, GQP_CPU_ESTIMATE, GQP_CLOCK_CPU,
+                                       &p);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 10000000));
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    fc_run(&c, 1000);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_idle(&c, 50000); /* KH waits off CPU: inside the 10 ms window */
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    gqp_span s1 = get_span(p, 1);
+    ASSERT_EQ_I64(s1.cpu_ns, 50000); /* counted as CPU: within the window */
+    ASSERT_RC(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, -1), GQP_ERANGE);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 100));
+    ASSERT_EQ_I64(tget(t, GQP_TRACER_CPU_WINDOW_NS), 100);
+    fc_run(&c, 3000);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_idle(&c, 50000);
+    fc_run(&c, 2000);
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    ASSERT_EQ_U64(gqp_profile_span_count(p), 4);
+    gqp_span s3 = get_span(p, 3);
+    ASSERT_TRUE(s3.cpu_ns >= 2000 - 100 && s3.cpu_ns <= 2000 + 100);
+    ASSERT_OK(gqp_tracer_flush(t));
+    gqp_tracer_free(t);
+    gqp_profile_free(p);
 }
 
 /* Flush charges open frames up to now and closes the running span. */
