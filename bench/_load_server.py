@@ -136,6 +136,12 @@ def _werkzeug(app):
                               profile_dir=None)
 
 
+def _passthrough(app):
+    def passthrough(environ, start_response):
+        return app(environ, start_response)
+    return passthrough
+
+
 def _yappi(app):
     import yappi
     yappi.set_context_backend("greenlet")
@@ -152,6 +158,8 @@ CONFIGS = {
     "gqp-100pct-calls": ("greqprof pct=1.0 calls=True",
                          _greqprof(pct=1.0, calls=True)),
     "werkzeug": ("werkzeug ProfilerMiddleware (cProfile)", _werkzeug),
+    "passthrough": ("a WSGI middleware that only calls the app",
+                    _passthrough),
     "yappi": ("yappi cpu, greenlet backend", _yappi),
 }
 

@@ -81,6 +81,10 @@ class _Config:
         self.cpu_mode = "estimate"
 
 
+#: _begin's answer for a request to the inspector's own pages
+_INSPECTOR = object()
+
+
 class _OpenRequest:
     __slots__ = ("greenlet", "gid", "profile", "addr", "method", "path",
                  "status", "start_ns", "end_ns", "request_id", "sampled_by",
@@ -241,19 +245,22 @@ class ProfilingMiddleware:
 
     # -- the WSGI entry point ---------------------------------------------
     def __call__(self, environ, start_response):
-        if not self.enabled:  # GREQPROF_ENABLED=0
-            return self.app(environ, start_response)
-        if self.inspector is not None and self.inspector.matches(environ):
-            return self.inspector(environ, start_response)  # not profiled
-        self.stats["requests"] += 1
-        try:
-            req = self._begin(environ)
-        except Exception as e:  # greqprof must never break the app
-            self._internal_error("begin", e)
-            req = None
+        # Short on purpose: this frame is under the app for the whole
+        # request, and gevent.spawn computes the line number of every frame
+        # of the spawning stack (a walk of the code's line table).
+        req = None
+        if self.enabled:  # (GREQPROF_ENABLED=0: a plain pass-through)
+            try:
+                req = self._begin(environ)
+            except Exception as e:  # greqprof must never break the app
+                self._internal_error("begin", e)
         if req is None:
             return self.app(environ, start_response)
+        if req is _INSPECTOR:
+            return self.inspector(environ, start_response)  # not profiled
+        return self._call_profiled(req, environ, start_response)
 
+    def _call_profiled(self, req, environ, start_response):
         def _start_response(status, headers, exc_info=None):
             req.status = status
             if exc_info is not None:
@@ -295,6 +302,11 @@ class ProfilingMiddleware:
         return None
 
     def _begin(self, environ):
+        """None for a request that is not profiled (the common case), else
+        the open request (or _INSPECTOR)."""
+        if self.inspector is not None and self.inspector.matches(environ):
+            return _INSPECTOR
+        self.stats["requests"] += 1
         cfg = self.config
         sampled_by = self._sample(environ)
         if sampled_by is None:
