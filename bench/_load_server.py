@@ -186,7 +186,10 @@ def build(config, rows=DEFAULT_ROWS):
 
     def outer(environ, start_response):
         if environ.get("PATH_INFO") == "/__stats":
+            import gc
             body = json.dumps({"config": config, "pid": os.getpid(),
+                               "gc": [g["collections"]
+                                      for g in gc.get_stats()],
                                "app": dict(COUNTERS),
                                "middleware": dict(mw_stats)
                                if mw_stats is not None else None}).encode()

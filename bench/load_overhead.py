@@ -3,10 +3,17 @@
 For each configuration a fresh server process (bench/_load_server.py:
 examples/wsgi_app.py's app plus a cheap /hello route, on gevent.pywsgi,
 127.0.0.1, ephemeral port, no access log) is started, warmed up, loaded
-with ``wrk -t1 -c16 -d<duration>s`` and stopped.  Rounds rotate the order
-of the configurations; the result of a configuration is its median
-requests/s over the rounds, compared with the median of the bare app of the
-same run.
+with ``wrk -t1 -c16 -d<duration>s`` and stopped.
+
+By default each configuration runs side by side with a fresh bare-app
+server, both pinned to the same CPU and each loaded by its own wrk: the
+kernel shares that CPU evenly between the two, so the ratio of their
+requests/s is the ratio of their costs per request, measured in the same
+seconds.  The result of a configuration is the median of that ratio over
+the rounds; the bare row is two bare apps side by side (the noise floor).
+On this shared machine, runs of one bare server one after the other vary
+by up to +-20 %, two side by side by about 2 %.  --sequential runs every
+server alone instead and compares medians (the method of earlier tables).
 
     python bench/load_overhead.py                 # 5 rounds x 5 s, ~4 min
     python bench/load_overhead.py --markdown      # table for bench/README.md
@@ -58,6 +65,8 @@ class Cfg:
 
 CONFIGS = [
     Cfg("bare", "bare app"),
+    Cfg("passthrough", "reference: a WSGI middleware that only calls the "
+        "app"),
     Cfg("gqp-5pct", "greqprof pct=0.05, spans only"),
     Cfg("gqp-100pct", "greqprof pct=1.0, spans only"),
     Cfg("gqp-100pct-calls", "greqprof pct=1.0, calls=True"),
@@ -395,6 +404,89 @@ def measure(cfg, args):
     return res
 
 
+def measure_pair(cfg, base, args):
+    """cfg and its bare app, run at the same time: both servers on the same
+    CPU, each under its own wrk (both wrk on the other CPU).  The kernel
+    splits the server CPU evenly between the two, so the ratio of their
+    requests/s is the ratio of their per-request costs, and whatever the
+    rest of the machine does in that window hits both alike (sequential
+    runs of the same bare app differ by up to +-20 % here; two bare apps
+    side by side by about 2 %)."""
+    srvs = [Server(cfg, args.rows, cpu=args.server_cpu),
+            Server(base, args.rows, cpu=args.server_cpu)]
+    try:
+        for s in srvs:
+            s.start()
+        for s in srvs:
+            if args.warmup > 0:
+                run_wrk(s.port, args.warmup, args.threads, args.connections,
+                        cpu=args.wrk_cpu)
+            else:
+                for _ in range(20):
+                    _http_get(s.port, URL_PATH)
+        before = [s.stats() for s in srvs]
+        pids = [b.get("pid", s.proc.pid) for b, s in zip(before, srvs)]
+        cpu0 = [_proc_cpu_ns(pid) for pid in pids]
+        sys0, kids0 = _system_cpu_ns(), _children_cpu_ns()
+        t0 = time.monotonic()
+        procs = [subprocess.Popen(
+            wrk_cmd(s.port, args.duration, args.threads, args.connections),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_pin(args.wrk_cpu)) for s in srvs]
+        outs = []
+        for pr in procs:
+            try:
+                out, err = pr.communicate(timeout=args.duration + 30)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                raise Skip("wrk timed out")
+            if pr.returncode != 0:
+                raise Skip("wrk failed (%d): %s" % (pr.returncode,
+                                                    err.strip()[-400:]))
+            outs.append(parse_wrk(out))
+        wall = time.monotonic() - t0
+        cpu1 = [_proc_cpu_ns(pid) for pid in pids]
+        sys1, kids1 = _system_cpu_ns(), _children_cpu_ns()
+        after = [s.stats() for s in srvs]
+        for s in srvs:
+            if s.proc.poll() is not None:
+                raise Skip("server died during the run: " + s._stderr_tail())
+    finally:
+        lines = []
+        for s in srvs:
+            s.stop()
+            lines.append(s._stderr_lines())
+            s.close()
+    res, bres = outs
+    for r, c0, c1 in ((res, cpu0[0], cpu1[0]), (bres, cpu0[1], cpu1[1])):
+        if c0 is not None and c1 is not None and r.get("requests"):
+            r["server_cpu_us_per_req"] = (c1 - c0) / 1e3 / r["requests"]
+            r["server_cpu_util"] = (c1 - c0) / 1e9 / wall
+    res["base_rps"] = bres["rps"]
+    res["pair_ratio"] = res["rps"] / bres["rps"] if bres["rps"] else None
+    if "server_cpu_us_per_req" in bres:
+        res["base_cpu_us_per_req"] = bres["server_cpu_us_per_req"]
+    res["wrk_cpu_util"] = (kids1 - kids0) / 1e9 / wall
+    if sys0 is not None and sys1 is not None and None not in cpu0 + cpu1:
+        res["other_cpu"] = ((sys1[0] - sys0[0]) - sum(cpu1) + sum(cpu0)
+                            - (kids1 - kids0)) / 1e9 / wall
+        res["steal_cpu"] = (sys1[1] - sys0[1]) / 1e9 / wall
+    mw0, mw1 = before[0].get("middleware"), after[0].get("middleware")
+    if mw0 and mw1:
+        res["middleware"] = {k: mw1[k] - mw0.get(k, 0) for k in mw1}
+    if before[0].get("app") and after[0].get("app"):
+        res["app_requests"] = after[0]["app"]["hello"] - \
+            before[0]["app"]["hello"]
+    tail = "\n".join(lines[0][-40:])
+    if "Traceback" in tail:
+        res["server_traceback"] = tail
+    gq = [ln for ln in lines[0] if ln.startswith("greqprof:")]
+    if gq:
+        res["server_greqprof_errors"] = gq[:5]
+    res["server_stderr_lines"] = len(lines[0])
+    return res
+
+
 # ---------------------------------------------------------------------------
 # reporting
 
@@ -436,14 +528,24 @@ def summarize(results, configs):
         if r.get("median_rps") is None or not base or \
                 base.get("median_rps") is None:
             continue
-        r["ratio"] = r["median_rps"] / base["median_rps"]
-        # per round: this config / the bare run of the same round
-        paired = [a["rps"] / b["rps"] for a, b in
-                  zip(r["runs"], base["runs"])]
+        if all(x.get("pair_ratio") for x in r["runs"]):
+            # side by side with a bare app on the same CPU (measure_pair)
+            paired = [x["pair_ratio"] for x in r["runs"]]
+            r["ratio"] = median(paired)
+        else:
+            r["ratio"] = r["median_rps"] / base["median_rps"]
+            # per round: this config / the bare run of the same round
+            paired = [a["rps"] / b["rps"] for a, b in
+                      zip(r["runs"], base["runs"])]
         r["paired_ratios"] = paired
         r["paired_median"] = median(paired)
         r["paired_min"], r["paired_max"] = min(paired), max(paired)
-        if base["server_cpu_us_per_req"] is not None and \
+        added = [x["server_cpu_us_per_req"] - x["base_cpu_us_per_req"]
+                 for x in r["runs"] if "base_cpu_us_per_req" in x
+                 and "server_cpu_us_per_req" in x]
+        if added:
+            r["added_cpu_us_per_req"] = median(added)
+        elif base["server_cpu_us_per_req"] is not None and \
                 r["server_cpu_us_per_req"] is not None:
             r["added_cpu_us_per_req"] = (r["server_cpu_us_per_req"]
                                          - base["server_cpu_us_per_req"])
@@ -569,9 +671,13 @@ def table_rows(results, configs, quick):
                 tgt += ": " + r.get("verdict", "—")
         else:
             tgt = ""
-        paired = ("%.3f (%.3f–%.3f)" % (r["paired_median"], r["paired_min"],
-                                        r["paired_max"])
-                  if "paired_median" in r else "—")
+        if "paired_median" not in r:
+            paired = "—"
+        elif all(x.get("pair_ratio") for x in r["runs"]):
+            paired = "%.3f–%.3f" % (r["paired_min"], r["paired_max"])
+        else:
+            paired = "%.3f (%.3f–%.3f)" % (
+                r["paired_median"], r["paired_min"], r["paired_max"])
         rows.append([
             cfg.label,
             "%.0f (%.0f–%.0f)" % (r["median_rps"], r["min_rps"],
@@ -590,6 +696,10 @@ def table_rows(results, configs, quick):
     return rows
 
 
+#: the default (measure_pair): each row ran side by side with a bare app
+HEADERS_PAIR = ["configuration", "req/s median (min–max), sharing a CPU "
+                "with a bare app", "× bare (median)", "× bare (min–max)",
+                "latency p50 / p99 ms"]
 HEADERS = ["configuration", "req/s median (min–max)", "× bare",
            "paired × bare (min–max)", "latency p50 / p99 ms",
            "server CPU µs/req (+ vs bare)", "server CPU util",
@@ -610,9 +720,12 @@ def header_lines(info, args, command):
         "greqprof checkout: %s; wrk: %s" % (info.get("git") or "unknown",
                                             info.get("wrk") or "absent"),
         "load: wrk -t%d -c%d -d%ds (+%gs warm-up per server), %d round(s), "
-        "order rotated per round; %s" % (
+        "order rotated per round, %s; %s" % (
             args.threads, args.connections, args.duration, args.warmup,
             args.rounds,
+            "every server alone (--sequential)" if args.sequential else
+            "every configuration side by side with a bare app on the same "
+            "CPU (the bare row: two bare apps)",
             "server pinned to CPU %d, wrk to CPU %d" % (args.server_cpu,
                                                         args.wrk_cpu)
             if args.server_cpu is not None else "no CPU pinning"),
@@ -709,6 +822,11 @@ def main():
                         "per request, unsampled and sampled paths)")
     p.add_argument("--micro-only", action="store_true",
                    help="run only the microbenchmark (no server, no wrk)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run every server alone, one after the other, and "
+                        "compare medians (the default runs each "
+                        "configuration side by side with a bare app on the "
+                        "same CPU: see measure_pair)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when a greqprof row misses its target")
     args = p.parse_args()
@@ -775,6 +893,7 @@ def main():
         else:
             live.append(cfg)
 
+    by_key = {c.key: c for c in configs}
     for rnd in range(args.rounds):
         k = rnd % len(live) if live else 0
         order = live[k:] + live[:k]
@@ -783,7 +902,10 @@ def main():
             if r["status"] != "ok":
                 continue
             try:
-                run = measure(cfg, args)
+                if args.sequential:
+                    run = measure(cfg, args)
+                else:
+                    run = measure_pair(cfg, by_key[cfg.base], args)
             except Exception as exc:   # Skip, or e.g. the server hung up
                 reason = str(exc) if isinstance(exc, Skip) else "%s: %s" % (
                     type(exc).__name__, exc)
@@ -826,6 +948,7 @@ def main():
     info["steal_cpu_median"] = median(steal)
 
     rows = table_rows(results, configs, args.quick)
+    headers = HEADERS if args.sequential else HEADERS_PAIR + HEADERS[5:]
     notes = []
     for cfg in configs:
         r = results[cfg.key]
@@ -863,7 +986,7 @@ def main():
             print("* " + line)
         if configs:
             print()
-            print(bu.md_table(HEADERS, rows))
+            print(bu.md_table(headers, rows))
         if notes:
             print()
             for n in notes:
@@ -876,7 +999,7 @@ def main():
             print(line)
         if configs:
             print()
-            print(bu.text_table(HEADERS, rows))
+            print(bu.text_table(headers, rows))
         for n in notes:
             print(n)
         if micro:

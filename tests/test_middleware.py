@@ -1308,6 +1308,39 @@ def test_keepalive_child_stays_with_its_request(serve):
     assert span_gids(one) == {gids["/one"], seen[0]}
 
 
+def test_lingering_profile_does_not_take_the_next_unsampled_requests_child(
+        serve):
+    """A sampled request's profile waits (linger) for a child still running
+    after the response; the next request on that keep-alive connection is
+    not sampled, and what it spawns must not join the lingering profile."""
+    kids = {"/first": [], "/second": []}
+    gids = {}
+
+    def kid(path, naps):
+        kids[path].append(current_gid())
+        for _ in range(naps):
+            gevent.sleep(0.01)
+
+    def app(environ, start_response):
+        path = environ["PATH_INFO"]
+        gids[path] = current_gid()
+        gevent.spawn(kid, path, 20 if path == "/first" else 1)
+        gevent.sleep(0)  # the child starts inside this request
+        return echo_path(environ, start_response)
+
+    s = serve(app, pct=0.0, trigger_header="X-Trigger",
+              trigger_secret=SECRET, linger=1.0)
+    raw = http_raw(s.port, _two_pipelined(
+        b"/first", b"/second",
+        b"X-Trigger: " + SECRET.encode() + b"\r\n"))
+    assert raw.count(b"HTTP/1.1 200 OK") == 2
+    first = s.profile_for("/first")
+    assert gids["/first"] == gids["/second"]  # one connection greenlet
+    assert len(kids["/first"]) == len(kids["/second"]) == 1
+    assert span_gids(first) == {gids["/first"], kids["/first"][0]}
+    assert s.mw.stats["sampled"] == 1
+
+
 def test_keepalive_next_request_blocking_is_named(serve, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     gid = []
