@@ -93,6 +93,7 @@ struct gqp_tracer {
 
     tomb tombs[TOMBS];
     size_t tomb_next;
+    gqp__map tmap;          /* key -> index + 1 of its tomb */
 
     hist_entry *hist;
     size_t hist_cap, hist_len, hist_head;
@@ -147,6 +148,7 @@ GQP_API int gqp_tracer_new(gqp_tracer **out)
         return GQP_ENOMEM;
     }
     gqp__map_init(&t->gmap);
+    gqp__map_init(&t->tmap);
     *out = t;
     return GQP_OK;
 }
@@ -206,6 +208,7 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
     for (size_t i = 0; i < TOMBS; i++) {
         gqp_profile_free(t->tombs[i].profile);
     }
+    gqp__map_free(&t->tmap);
     gqp_profile_free(t->deflt);
     gqp_profile_free(t->last_profile);
     gqp__free(t->hist);
@@ -403,6 +406,21 @@ static gqp__greenlet *lookup(const gqp_tracer *t, uint64_t key)
     return v ? (gqp__greenlet *)(uintptr_t)*v : NULL;
 }
 
+/* Empties tomb i (a map lookup, not a scan: create() runs per greenlet). */
+static void tomb_clear(gqp_tracer *t, size_t i)
+{
+    tomb *tb = &t->tombs[i];
+    if (tb->key) {
+        uint64_t *v = gqp__map_get(&t->tmap, tb->key);
+        if (v && *v == i + 1) {
+            gqp__map_del(&t->tmap, tb->key);
+        }
+    }
+    gqp_profile_free(tb->profile);
+    tb->key = 0;
+    tb->profile = NULL;
+}
+
 static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
 {
     if (t->gmap.len >= t->max_greenlets) {
@@ -429,12 +447,9 @@ static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
     g->key = key;
     g->id = gqp__next_greenlet_id();
     /* The key is live again, so the dead greenlet it named is gone. */
-    for (size_t i = 0; i < TOMBS; i++) {
-        if (t->tombs[i].key == key) {
-            gqp_profile_free(t->tombs[i].profile);
-            t->tombs[i].key = 0;
-            t->tombs[i].profile = NULL;
-        }
+    uint64_t *tv = gqp__map_get(&t->tmap, key);
+    if (tv) {
+        tomb_clear(t, (size_t)(*tv - 1));
     }
     gqp__map_init(&g->rec);
     return g;
@@ -483,12 +498,21 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
 {
     gqp_profile *heir = g->spawn ? g->spawn : g->profile;
     if (heir && !heir->closed) {
-        tomb *tb = &t->tombs[t->tomb_next];
-        t->tomb_next = (t->tomb_next + 1) % TOMBS;
-        gqp_profile_retain(heir);
-        gqp_profile_free(tb->profile);
-        tb->key = g->key;
-        tb->profile = heir;
+        uint64_t *old = gqp__map_get(&t->tmap, g->key);
+        if (old) {
+            tomb_clear(t, (size_t)(*old - 1));
+        }
+        size_t i = t->tomb_next;
+        t->tomb_next = (i + 1) % TOMBS;
+        tomb_clear(t, i);
+        bool added;
+        uint64_t *v = gqp__map_put(&t->tmap, g->key, &added);
+        if (v) { /* (out of memory: no tomb, children inherit nothing) */
+            *v = i + 1;
+            gqp_profile_retain(heir);
+            t->tombs[i].key = g->key;
+            t->tombs[i].profile = heir;
+        }
     }
     gqp__map_del(&t->gmap, g->key);
     if (t->cur == g) {
@@ -949,13 +973,11 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
     if (pg) {
         p = pg->spawn ? pg->spawn : pg->profile;
     } else {
-        size_t i;
-        for (i = 0; i < TOMBS && t->tombs[i].key != parent; i++) {
-        }
-        if (i == TOMBS) {
+        uint64_t *tv = gqp__map_get(&t->tmap, parent);
+        if (!tv) {
             return GQP_ENOTFOUND;
         }
-        p = t->tombs[i].profile;
+        p = t->tombs[*tv - 1].profile;
     }
     /* create() may release the tomb that holds p (same key): keep it. */
     if (p) {
