@@ -142,6 +142,15 @@ def _passthrough(app):
     return passthrough
 
 
+def _settrace_noop(app):
+    # The floor for any per-switch hook: greenlet calls a C function that
+    # does nothing on every switch.
+    import operator
+    import greenlet
+    greenlet.settrace(operator.is_)
+    return app
+
+
 def _yappi(app):
     import yappi
     yappi.set_context_backend("greenlet")
@@ -160,6 +169,8 @@ CONFIGS = {
     "werkzeug": ("werkzeug ProfilerMiddleware (cProfile)", _werkzeug),
     "passthrough": ("a WSGI middleware that only calls the app",
                     _passthrough),
+    "settrace-noop": ("greenlet.settrace(operator.is_): a C no-op hook on "
+                      "every switch", _settrace_noop),
     "yappi": ("yappi cpu, greenlet backend", _yappi),
 }
 

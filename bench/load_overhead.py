@@ -67,6 +67,8 @@ CONFIGS = [
     Cfg("bare", "bare app"),
     Cfg("passthrough", "reference: a WSGI middleware that only calls the "
         "app"),
+    Cfg("settrace-noop", "reference: greenlet.settrace with a C no-op "
+        "callback"),
     Cfg("gqp-5pct", "greqprof pct=0.05, spans only"),
     Cfg("gqp-100pct", "greqprof pct=1.0, spans only"),
     Cfg("gqp-100pct-calls", "greqprof pct=1.0, calls=True"),
