@@ -1490,3 +1490,40 @@ def test_middleware_keeps_content_length(serve, plain_server):
     r = s.get("/x")
     assert r.body == b"/x"
     assert r.headers.get("content-length") == "2", r.headers
+
+
+def test_profile_records_built_on_first_read(serve):
+    """A delivered RequestProfile builds its records (spans, greenlets,
+    waiting, cpu) when first read, from data read out at the end of the
+    request: the result is the same whenever it is read, and it copies,
+    pickles and round-trips through to_dict like any profile."""
+    import copy
+    import dataclasses
+    import pickle
+
+    def app(environ, start_response):
+        gevent.spawn(_child_loop, 2, []).join()
+        return echo_path(environ, start_response)
+
+    s = serve(app, pct=1.0)
+    s.get("/deferred")
+    p = s.profile_for("/deferred")
+    assert "spans" not in vars(p)  # the sink did not read them
+    gevent.sleep(0.05)  # later requests and switches change nothing
+    s.get("/other")
+    gids = {sp.greenlet_id for sp in p.spans}
+    assert len(gids) == 2
+    kid = [sp for sp in p.spans if sp.fn_name.endswith("_child_loop")]
+    assert len(kid) == 3 and kid[-1].finished  # two sleep(0)s, then done
+    assert p.cpu is not None and p.cpu > 0
+    assert [g.id for g in p.greenlets] == sorted(
+        {sp.greenlet_id for sp in p.spans})
+    assert p.longest_span in p.spans
+    assert p.waiting.seconds >= 0
+    again = pickle.loads(pickle.dumps(p))
+    assert again == p and copy.deepcopy(p) == p
+    assert RequestProfile.from_dict(p.to_dict()) == p
+    assert dataclasses.asdict(p)["spans"][0]["greenlet_id"] == \
+        p.spans[0].greenlet_id
+    with pytest.raises(AttributeError):
+        p.no_such_field
