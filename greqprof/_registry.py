@@ -23,3 +23,6 @@ read_profile = None
 #: of the hooks' thread to a profile (0: detaches) and returns its id (a C
 #: function, see _hooks.c)
 attach = None
+#: greenlet_id(tracer_address, greenlet): the tracer's id of a greenlet, 0
+#: when unseen (a C function, see _hooks.c)
+greenlet_id = None

@@ -393,11 +393,11 @@ class ProfilingMiddleware:
 
     def _note_unsampled(self, environ):
         """The cheap path of an unsampled request: no profile, no wrapping
-        of the response, just enough to name it in a blocking report.  The
-        entry holds the greenlet, so its address (the key C reports) cannot
-        be reused while the entry exists; a few recent requests are kept per
-        greenlet and a blocking span goes to the latest that began before
-        it."""
+        of the response, just enough to name it in a blocking report.  A few
+        recent requests are kept per greenlet id (ids are never reused), and
+        a blocking span goes to the latest that began before it.  Entries
+        hold only strings and numbers: no reference to the greenlet, nothing
+        for the garbage collector to traverse."""
         eng = _engine.current_engine()
         if eng is None or eng.blocking_ns > self.config.blocking_ns:
             # (also lowers a shared engine's threshold to this one's)
@@ -410,17 +410,20 @@ class ProfilingMiddleware:
         g = getcurrent()
         if eng.lingering:
             self._stop_lingering(eng, g)
-        entry = (_monotonic_ns(), environ.get("REQUEST_METHOD", ""),
-                 environ.get("PATH_INFO", ""),
-                 environ.get("HTTP_X_REQUEST_ID"), g)
+        gid = _registry.greenlet_id(eng.tracer_addr, g)
+        if not gid:
+            return
+        entry = (_monotonic_ns(), str(environ.get("REQUEST_METHOD", "")),
+                 str(environ.get("PATH_INFO", "")),
+                 environ.get("HTTP_X_REQUEST_ID"))
         unsampled = eng.unsampled
-        hist = unsampled.get(id(g))
-        if hist is not None and hist[-1][4] is g:
+        hist = unsampled.get(gid)
+        if hist is not None:
             hist.append(entry)
             if len(hist) > 4:
                 del hist[0]
         else:
-            unsampled[id(g)] = [entry]
+            unsampled[gid] = [entry]
             if len(unsampled) > self.MAX_UNSAMPLED:
                 del unsampled[next(iter(unsampled))]
 
@@ -684,14 +687,14 @@ class ProfilingMiddleware:
             req = eng.requests.get(gid)
             if req is not None:
                 return req
-            hist = eng.unsampled.get(key)
+            hist = eng.unsampled.get(gid)
             if hist:
                 for entry in reversed(hist):
                     if entry[0] <= end_ns:
                         return _UnsampledRequest(entry)
             if gid not in parents:
                 return None
-            gid, key = parents[gid]
+            gid = parents[gid]
         return None
 
     def _blocking_event(self, eng, rec, owner):
