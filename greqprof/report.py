@@ -105,9 +105,12 @@ def render_text(p, max_spans=100, calls_limit=25):
         _ms(p.waiting.seconds),
         "" if p.waiting.complete else " (history incomplete)"))
     for w in p.waiting.top:
-        out.append("  %10s  greenlet %d %s (%s)" % (
-            _ms(w.seconds), w.greenlet_id, safe(w.name, 200),
-            safe(w.fn_name, 300)))
+        who = "greenlet %d" % w.greenlet_id
+        if w.name and w.name != "greenlet-%d" % w.greenlet_id:
+            who += " " + safe(w.name, 200)
+        if w.fn_name:
+            who += " (%s)" % safe(w.fn_name, 300)
+        out.append("  %10s  %s" % (_ms(w.seconds), who))
     for b in p.blocking:
         out.append("Blocking span: %s (CPU %s) in greenlet %d %s (%s)" % (
             _ms(b.wall), _ms(b.cpu), b.greenlet_id,

@@ -254,3 +254,22 @@ def test_greenlet_ids_in_report_match_the_request(serve):
     s.get("/gid")
     text = s.profile_for("/gid").report()
     assert set(re.findall(r"greenlet_id=(\d+),", text)) == {str(gid[0])}
+
+
+def test_waiting_lines_name_only_what_is_known():
+    """A waited-on greenlet that was never named (outside sampled requests
+    greenlets are not named, to keep that path cheap) is shown by its id
+    alone, not as "greenlet 7 greenlet-7 ()"."""
+    p = RequestProfile(
+        method="GET", path="/w", status="200 OK", start=0.0, end=0.01,
+        wall=0.01, cpu=None, spans=[], longest_span=None, calls=None,
+        waiting=Waiting(seconds=0.004, top=(
+            WaitedOn(greenlet_id=7, name="greenlet-7", fn_name="",
+                     seconds=0.003),
+            WaitedOn(greenlet_id=2, name="Hub", fn_name="gevent.hub.Hub.run",
+                     seconds=0.001))))
+    lines = p.report().splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("Waiting:"))
+    assert lines[i + 1].split() == ["3.0", "ms", "greenlet", "7"]
+    assert lines[i + 2].split() == ["1.0", "ms", "greenlet", "2", "Hub",
+                                    "(gevent.hub.Hub.run)"]
