@@ -380,7 +380,6 @@ def measure(cfg, args):
         srv.stop()
         lines = srv._stderr_lines()
         srv.close()
-    tail = "\n".join(lines[-40:])
     if cpu0 is not None and cpu1 is not None and res.get("requests"):
         res["server_cpu_us_per_req"] = (cpu1 - cpu0) / 1e3 / res["requests"]
         res["server_cpu_util"] = (cpu1 - cpu0) / 1e9 / wall
@@ -392,18 +391,25 @@ def measure(cfg, args):
             res["other_cpu"] = ((sys1[0] - sys0[0]) - (cpu1 - cpu0)
                                 - (kids1 - kids0)) / 1e9 / wall
             res["steal_cpu"] = (sys1[1] - sys0[1]) / 1e9 / wall
+    _add_server_report(res, before, after, lines)
+    return res
+
+
+def _add_server_report(res, before, after, lines):
+    """What the server said about the timed run: the middleware's and the
+    app's counters (/__stats before and after), and its stderr."""
     mw0, mw1 = before.get("middleware"), after.get("middleware")
     if mw0 and mw1:
         res["middleware"] = {k: mw1[k] - mw0.get(k, 0) for k in mw1}
     if before.get("app") and after.get("app"):
         res["app_requests"] = after["app"]["hello"] - before["app"]["hello"]
+    tail = "\n".join(lines[-40:])
     if "Traceback" in tail:
         res["server_traceback"] = tail
     gq = [ln for ln in lines if ln.startswith("greqprof:")]
     if gq:
         res["server_greqprof_errors"] = gq[:5]
     res["server_stderr_lines"] = len(lines)
-    return res
 
 
 def measure_pair(cfg, base, args):
@@ -473,19 +479,7 @@ def measure_pair(cfg, base, args):
         res["other_cpu"] = ((sys1[0] - sys0[0]) - sum(cpu1) + sum(cpu0)
                             - (kids1 - kids0)) / 1e9 / wall
         res["steal_cpu"] = (sys1[1] - sys0[1]) / 1e9 / wall
-    mw0, mw1 = before[0].get("middleware"), after[0].get("middleware")
-    if mw0 and mw1:
-        res["middleware"] = {k: mw1[k] - mw0.get(k, 0) for k in mw1}
-    if before[0].get("app") and after[0].get("app"):
-        res["app_requests"] = after[0]["app"]["hello"] - \
-            before[0]["app"]["hello"]
-    tail = "\n".join(lines[0][-40:])
-    if "Traceback" in tail:
-        res["server_traceback"] = tail
-    gq = [ln for ln in lines[0] if ln.startswith("greqprof:")]
-    if gq:
-        res["server_greqprof_errors"] = gq[:5]
-    res["server_stderr_lines"] = len(lines[0])
+    _add_server_report(res, before[0], after[0], lines[0])
     return res
 
 

@@ -120,7 +120,6 @@ int gqp_py_thread_stop(gqp_py_thread *st);
 int gqp_py_calls(gqp_py_thread *st, int on);
 int gqp_py_reinstall_calls(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);
-int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p);
 gqp_profile *gqp_py_profile_new(size_t max_spans);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);
 int gqp_py_inject_alloc_failures(long after, long count);

@@ -90,12 +90,12 @@ static getter find_getter(PyObject *type, const char *name)
     return g;
 }
 
-/* 0 on success; -1 when greenlet or the registry cannot be loaded. */
 /* defined with their functions below */
 static PyMethodDef read_profile_def;
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
 
+/* 0 on success; -1 when greenlet or the registry cannot be loaded. */
 static int gqp_py_init(void)
 {
     PyGILState_STATE gs = PyGILState_Ensure();
@@ -340,39 +340,32 @@ static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
     /* Ids are never reused, so names found once stay right: a connection
      * greenlet attached to every sampled request it serves is named once. */
     PyObject *known = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    PyErr_Clear();
     if (known && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 2) {
-        name = PyTuple_GET_ITEM(known, 0);
-        fn = PyTuple_GET_ITEM(known, 1);
-        if (p) {
-            const char *cn = name != Py_None ? PyUnicode_AsUTF8(name) : NULL;
-            PyErr_Clear();
-            const char *cf = fn != Py_None ? PyUnicode_AsUTF8(fn) : NULL;
-            PyErr_Clear();
-            gqp_profile_name_greenlet(p, id, cn ? cn : "", cf ? cf : "");
+        name = Py_NewRef(PyTuple_GET_ITEM(known, 0));
+        fn = Py_NewRef(PyTuple_GET_ITEM(known, 1));
+    } else {
+        greenlet_names(g, &name, &fn);
+        /* Remember every greenlet's names for reports about others. */
+        if (PyDict_GET_SIZE(reg_names) >= GQP_PY_MAX_NAMES) {
+            PyDict_Clear(reg_names);
         }
-        Py_DECREF(key);
-        PyErr_Clear();
-        return;
+        PyObject *val = PyTuple_Pack(2, name ? name : Py_None,
+                                     fn ? fn : Py_None);
+        if (key && val) {
+            PyDict_SetItem(reg_names, key, val);
+        }
+        Py_XDECREF(val);
     }
-    PyErr_Clear();
-    greenlet_names(g, &name, &fn);
-    const char *cn = name ? PyUnicode_AsUTF8(name) : NULL;
-    PyErr_Clear();
-    const char *cf = fn ? PyUnicode_AsUTF8(fn) : NULL;
-    PyErr_Clear();
     if (p) {
+        const char *cn = name && name != Py_None ? PyUnicode_AsUTF8(name)
+                                                 : NULL;
+        PyErr_Clear();
+        const char *cf = fn && fn != Py_None ? PyUnicode_AsUTF8(fn) : NULL;
+        PyErr_Clear();
         gqp_profile_name_greenlet(p, id, cn ? cn : "", cf ? cf : "");
     }
-    /* Remember every greenlet's names for reports about other greenlets. */
-    if (PyDict_GET_SIZE(reg_names) >= GQP_PY_MAX_NAMES) {
-        PyDict_Clear(reg_names);
-    }
-    PyObject *val = PyTuple_Pack(2, name ? name : Py_None, fn ? fn : Py_None);
-    if (key && val) {
-        PyDict_SetItem(reg_names, key, val);
-    }
     Py_XDECREF(key);
-    Py_XDECREF(val);
     Py_XDECREF(name);
     Py_XDECREF(fn);
     PyErr_Clear();
@@ -978,38 +971,11 @@ static void gqp_py_thread_free(gqp_py_thread *st)
     PyGILState_Release(gs);
 }
 
-/* Attaches the greenlet at address `g` (a live object the caller holds) to
- * profile p and names it there. */
-static int gqp_py_attach(gqp_py_thread *st, uintptr_t g, gqp_profile *p)
-{
-    if (!st || !g) {
-        return GQP_EINVAL;
-    }
-    PyGILState_STATE gs = PyGILState_Ensure();
-    int rc = GQP_ESTATE;
-    if (st->active && st->tracer) {
-        rc = gqp_tracer_attach(st->tracer, (uint64_t)g, p);
-        if (rc > 0 && (rc & GQP_EV_LONG_SPAN)) {
-            on_long_span(st, (PyObject *)g, 0);
-        }
-        if (rc >= 0) {
-            uint64_t id = 0;
-            if (p && gqp_tracer_greenlet_id(st->tracer, (uint64_t)g, &id) ==
-                         GQP_OK) {
-                name_in_profile(st, (PyObject *)g, id, p);
-            }
-            rc = GQP_OK;
-        }
-    }
-    PyGILState_Release(gs);
-    return rc;
-}
-
-/* _registry.attach(hooks, greenlet, profile): gqp_py_attach for the
- * middleware's per-request path, called with the GIL held (no cffi call,
- * no GIL round trip).  hooks and profile are addresses of live objects the
- * caller owns (profile 0: detach).  Returns the greenlet's tracer id, or a
- * negative GQP_E* code. */
+/* _registry.attach(hooks, greenlet, profile): attaches a greenlet of the
+ * hooks' thread to profile p and names it there (profile 0: detach).  A
+ * CPython call, with the GIL held: no cffi call, no GIL round trip.  hooks
+ * and profile are addresses of live objects the caller owns.  Returns the
+ * greenlet's tracer id, or a negative GQP_E* code. */
 static PyObject *attach_fast(PyObject *self, PyObject *const *args,
                              Py_ssize_t nargs)
 {

@@ -95,11 +95,6 @@ class RawProfile:
     def wall_origin(self):
         return lib.gqp_profile_wall_origin(self.ptr)
 
-    def origin(self):
-        """The clock origins of this profile, for to_epoch() once the
-        profile itself is gone."""
-        return ClockOrigin(self.epoch_origin, self.wall_origin)
-
     def _set(self, param, value, name):
         _check(lib.gqp_profile_set(self.ptr, param, int(value)),
                "setting %s=%r" % (name, value))
@@ -252,19 +247,11 @@ class RawTracer:
         lib.gqp_py_thread_free(self.hooks)
         self.hooks = None
 
-    def attach(self, greenlet, profile):
-        """Routes `greenlet`'s spans and calls to `profile` (None: detach).
-        Must be called from the thread this tracer is installed in."""
-        if self.hooks is None:
-            raise ProfilerStateError("tracer is not installed")
-        _check(lib.gqp_py_attach(self.hooks, id(greenlet),
-                                 profile.ptr if profile is not None
-                                 else ffi.NULL), "attach")
-
     def attach_id(self, greenlet, profile_addr):
-        """attach() for the per-request path, in one call without cffi:
-        the profile by its ``addr`` (0: detach).  Returns the greenlet's
-        id."""
+        """Routes `greenlet`'s spans and calls to the profile at
+        ``profile_addr`` (RawProfile.addr; 0: detach), in one call without
+        cffi.  Returns the greenlet's id.  Must be called from the thread
+        this tracer is installed in."""
         return _check(_registry.attach(self.hooks_addr, greenlet,
                                        profile_addr), "attach")
 
@@ -287,16 +274,6 @@ class RawTracer:
         if lib.gqp_tracer_running_since(self.ptr, start, gid) < 0:
             return None
         return start[0], gid[0]
-
-    def waited(self, profile, start_ns, end_ns, top=5):
-        total = ffi.new("int64_t *")
-        ids = ffi.new("uint64_t[]", max(top, 1))
-        ns = ffi.new("int64_t[]", max(top, 1))
-        complete = ffi.new("int *")
-        n = _check(lib.gqp_tracer_waited(
-            self.ptr, profile.ptr if profile is not None else ffi.NULL,
-            start_ns, end_ns, total, ids, ns, top, complete), "waited")
-        return total[0], [(ids[i], ns[i]) for i in range(n)], bool(complete[0])
 
 
 def wall_ns():

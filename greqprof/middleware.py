@@ -367,7 +367,7 @@ class ProfilingMiddleware:
                 req.sampled_by = None
                 self._internal_error("open profile", e)
         if req.gid is None:
-            req.gid = eng.tracer.greenlet_id(g)
+            req.gid = _registry.greenlet_id(eng.tracer_addr, g) or None
         if req.gid is not None:
             eng.requests[req.gid] = req
         if req.profile is not None:
@@ -559,13 +559,12 @@ class ProfilingMiddleware:
                                    end_ns, 8)
         stacks = None
         reg_names = _registry.names
+        take = _registry.stacks.get if snapshot else _registry.stacks.pop
         # Names of greenlets the profile did not name (registry entries of
         # dead greenlets are dropped after a while).
         fallback = {}
         for s in raw_spans:
             if s[5]:
-                take = _registry.stacks.get if snapshot else \
-                    _registry.stacks.pop
                 text = take(s[5], None)
                 if text is not None:
                     if stacks is None:
@@ -619,10 +618,6 @@ class ProfilingMiddleware:
             blocking=[], clock=self.config.clock, sampled_by=req.sampled_by,
             request_id=req.request_id, pid=os.getpid(),
             hostname=self.hostname, error=req.error)
-
-    @staticmethod
-    def _addr(raw_profile):
-        return int(_lowlevel.ffi.cast("uintptr_t", raw_profile.ptr))
 
     def _drain_loop(self, eng):
         """Reports blocking spans of greenlets outside requests, once a
