@@ -115,6 +115,7 @@ int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                       int64_t start_ns, int64_t end_ns, int64_t *total_ns,
                       uint64_t *ids, int64_t *ns, size_t n, int *complete);
 
+int gqp_py_setup(void);
 gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err);
 int gqp_py_thread_stop(gqp_py_thread *st);
 int gqp_py_calls(gqp_py_thread *st, int on);
@@ -135,12 +136,13 @@ ffi = FFI()
 ffi.cdef(CDEF)
 ffi.set_source(
     "greqprof._core",
-    '#include "greqprof.h"\n#include "_hooks.c"\n',
+    '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n',
     sources=[os.path.relpath(os.path.join(LIB, s), ROOT) for s in LIB_SOURCES],
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
     # _core.c only #includes these: rebuild when they change.
     depends=[os.path.relpath(p, ROOT) for p in (
-        os.path.join(HERE, "_hooks.c"), os.path.join(LIB, "include",
+        os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
+        os.path.join(LIB, "include",
                                                      "greqprof.h"),
         os.path.join(LIB, "internal.h"))],
     # The hooks use the full C API (frames, tracing), not the limited one.

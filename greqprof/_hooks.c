@@ -34,6 +34,7 @@ typedef struct gqp_py_thread {
     PyObject *prev_trace;      /* what greenlet.settrace returned */
     Py_tracefunc prev_prof;    /* the thread's previous profile function */
     PyObject *prev_prof_obj;
+    uint64_t gen;              /* unique per start: _fastpath.c's arming */
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -94,6 +95,8 @@ static getter find_getter(PyObject *type, const char *name)
 static PyMethodDef read_profile_def;
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
+static int gqp_py_fast_init(PyObject *reg);   /* _fastpath.c */
+static uint64_t thread_generation;            /* gqp_py_thread_start's */
 
 /* 0 on success; -1 when greenlet or the registry cannot be loaded. */
 static int gqp_py_init(void)
@@ -149,9 +152,10 @@ static int gqp_py_init(void)
         }
         Py_XDECREF(fn);
     }
+    int fast = gqp_py_fast_init(reg);
     Py_DECREF(reg);
     Py_DECREF(gm);
-    if (PyType_Ready(&gqp_hookref_type) < 0) {
+    if (fast < 0 || PyType_Ready(&gqp_hookref_type) < 0) {
         PyErr_Clear();
         Py_CLEAR(reg_codes);
         goto out;
@@ -169,6 +173,13 @@ static int gqp_py_init(void)
 out:
     PyGILState_Release(gs);
     return rc;
+}
+
+/* Loads the registry and the C types the Python side builds on (the
+ * middleware's base type); called once at import.  0 or -1. */
+static int gqp_py_setup(void)
+{
+    return gqp_py_init();
 }
 
 /* ---- helpers (GIL held) ---------------------------------------------- */
@@ -800,6 +811,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         goto out;
     }
     st->tracer = t;
+    st->gen = ++thread_generation;
     st->thread_id = PyThread_get_thread_ident();
     st->calls = !!(flags & GQP_PY_CALLS);
     st->builtins = !!(flags & GQP_PY_BUILTINS);

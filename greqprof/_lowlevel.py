@@ -9,6 +9,12 @@ from .errors import LibraryError, ProfilerStateError
 
 NS = 1e-9
 
+# Fills greqprof._registry with the hooks' containers and C types (the
+# middleware's base type among them) before anything imports them.
+if lib.gqp_py_setup() != 0:
+    raise ImportError("greqprof._core could not initialise its CPython "
+                      "hooks (is greenlet importable?)")
+
 
 def _original(module, name):
     """The unpatched function even under gevent.monkey (greqprof works with

@@ -26,3 +26,9 @@ attach = None
 #: greenlet_id(tracer_address, greenlet): the tracer's id of a greenlet, 0
 #: when unseen (a C function, see _hooks.c)
 greenlet_id = None
+#: the C base of ProfilingMiddleware: runs the path of unsampled requests
+#: (see _fastpath.c)
+MiddlewareBase = None
+#: the last unsampled requests of one thread, for blocking reports
+#: (see _fastpath.c)
+RequestNotes = None

@@ -9,7 +9,6 @@ import random
 import socket
 import threading
 import weakref
-from time import monotonic_ns as _monotonic_ns
 
 from . import _collect, _lowlevel, _registry
 from ._lowlevel import NS, RawProfile
@@ -39,6 +38,7 @@ def _after_fork_in_child():
     # starts with none counted against max_open.
     for mw in list(_middlewares):
         mw._open = 0
+        mw._disarm()
 
 
 if hasattr(os, "register_at_fork"):
@@ -92,7 +92,7 @@ class _OpenRequest:
                  "__weakref__")
 
 
-class ProfilingMiddleware:
+class ProfilingMiddleware(_registry.MiddlewareBase):
     """Wraps a WSGI app served by gevent.
 
     :param pct: share of requests (0.0-1.0) that get a full profile.
@@ -216,6 +216,12 @@ class ProfilingMiddleware:
                 ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
                 ui_keep=ui_keep)
             self.inspector = self._outputs.ui if self._outputs else None
+            # The C part (_fastpath.c) runs unsampled requests by itself;
+            # the rest comes back to _call_slow / _call_drawn.
+            self._fast_setup(self.enabled, self.config.pct, self._random,
+                             self._trigger_key, bool(self.config.blocking_ns),
+                             self.inspector is not None or bool(self.observers),
+                             self.stats)
 
         try:
             configure()
@@ -244,10 +250,14 @@ class ProfilingMiddleware:
             self.config.blocking_ns / 1e6 or None)
 
     # -- the WSGI entry point ---------------------------------------------
-    def __call__(self, environ, start_response):
-        # Short on purpose: this frame is under the app for the whole
-        # request, and gevent.spawn computes the line number of every frame
-        # of the spawning stack (a walk of the code's line table).
+    # __call__ is MiddlewareBase's, in C (_fastpath.c): a request that is
+    # not sampled runs the app with no greqprof frame under it.  It hands
+    # the other requests to the two methods below.
+
+    def _call_slow(self, environ, start_response):
+        """A request the C path does not decide alone (the trigger header,
+        the inspector, observers, a thread not set up yet): everything in
+        Python."""
         req = None
         if self.enabled:  # (GREQPROF_ENABLED=0: a plain pass-through)
             try:
@@ -258,6 +268,17 @@ class ProfilingMiddleware:
             return self.app(environ, start_response)
         if req is _INSPECTOR:
             return self.inspector(environ, start_response)  # not profiled
+        return self._call_profiled(req, environ, start_response)
+
+    def _call_drawn(self, environ, start_response):
+        """A request the C path drew for a profile (and counted)."""
+        req = None
+        try:
+            req = self._begin(environ, drawn="pct")
+        except Exception as e:
+            self._internal_error("begin", e)
+        if req is None:
+            return self.app(environ, start_response)
         return self._call_profiled(req, environ, start_response)
 
     def _call_profiled(self, req, environ, start_response):
@@ -301,14 +322,18 @@ class ProfilingMiddleware:
             return "pct"
         return None
 
-    def _begin(self, environ):
+    def _begin(self, environ, drawn=None):
         """None for a request that is not profiled (the common case), else
-        the open request (or _INSPECTOR)."""
-        if self.inspector is not None and self.inspector.matches(environ):
-            return _INSPECTOR
-        self.stats["requests"] += 1
+        the open request (or _INSPECTOR).  drawn: the C path already drew
+        (and counted) this request, sampled by that."""
         cfg = self.config
-        sampled_by = self._sample(environ)
+        if drawn is not None:
+            sampled_by = drawn
+        else:
+            if self.inspector is not None and self.inspector.matches(environ):
+                return _INSPECTOR
+            self.stats["requests"] += 1
+            sampled_by = self._sample(environ)
         if sampled_by is None:
             if cfg.blocking_ns and not self.observers:
                 self._note_unsampled(environ)
@@ -374,6 +399,7 @@ class ProfilingMiddleware:
             eng.profile_requests[req.addr] = req
         if cfg.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
+        self._arm(eng.tracer.hooks_addr, eng.notes, eng.lingering)
         if self.observers:
             req.observed = []
             for obs in self.observers:
@@ -389,15 +415,13 @@ class ProfilingMiddleware:
         if prev is not None:
             eng.tracer.set_spawn_profile(g, None)
 
-    MAX_UNSAMPLED = 4096
-
     def _note_unsampled(self, environ):
-        """The cheap path of an unsampled request: no profile, no wrapping
-        of the response, just enough to name it in a blocking report.  A few
-        recent requests are kept per greenlet id (ids are never reused), and
-        a blocking span goes to the latest that began before it.  Entries
-        hold only strings and numbers: no reference to the greenlet, nothing
-        for the garbage collector to traverse."""
+        """An unsampled request: no profile, no wrapping of the response,
+        just enough to name it in a blocking report.  The C path does the
+        same for the requests it runs (_fastpath.c); this one sets up the
+        thread's engine and arms the C path for it.  A blocking span goes
+        to the latest noted request of its greenlet (ids are never reused)
+        that began before the span ended."""
         eng = _engine.current_engine()
         if eng is None or eng.blocking_ns > self.config.blocking_ns:
             # (also lowers a shared engine's threshold to this one's)
@@ -411,21 +435,11 @@ class ProfilingMiddleware:
         if eng.lingering:
             self._stop_lingering(eng, g)
         gid = _registry.greenlet_id(eng.tracer_addr, g)
-        if not gid:
-            return
-        entry = (_monotonic_ns(), str(environ.get("REQUEST_METHOD", "")),
-                 str(environ.get("PATH_INFO", "")),
-                 environ.get("HTTP_X_REQUEST_ID"))
-        unsampled = eng.unsampled
-        hist = unsampled.get(gid)
-        if hist is not None:
-            hist.append(entry)
-            if len(hist) > 4:
-                del hist[0]
-        else:
-            unsampled[gid] = [entry]
-            if len(unsampled) > self.MAX_UNSAMPLED:
-                del unsampled[next(iter(unsampled))]
+        if gid:
+            eng.notes.add(gid, environ.get("REQUEST_METHOD"),
+                          environ.get("PATH_INFO"),
+                          environ.get("HTTP_X_REQUEST_ID"))
+        self._arm(eng.tracer.hooks_addr, eng.notes, eng.lingering)
 
     def _notify(self, observer, event, *args):
         fn = getattr(observer, event, None)
@@ -682,11 +696,9 @@ class ProfilingMiddleware:
             req = eng.requests.get(gid)
             if req is not None:
                 return req
-            hist = eng.unsampled.get(gid)
-            if hist:
-                for entry in reversed(hist):
-                    if entry[0] <= end_ns:
-                        return _UnsampledRequest(entry)
+            note = eng.notes.find(gid, end_ns)
+            if note is not None:
+                return _UnsampledRequest(note)
             if gid not in parents:
                 return None
             gid = parents[gid]
@@ -784,11 +796,11 @@ class _UnsampledRequest:
 
     __slots__ = ("method", "path", "request_id", "profile", "blocking")
 
-    def __init__(self, entry):
-        self.method = str(entry[1])[:32]
-        self.path = str(entry[2])[:MAX_PATH]
-        rid = entry[3]
-        self.request_id = str(rid)[:MAX_REQUEST_ID] if rid else None
+    def __init__(self, note):
+        method, path, rid = note   # str or None (RequestNotes keeps str)
+        self.method = method or ""
+        self.path = path or ""
+        self.request_id = rid or None
         self.profile = None
         self.blocking = []
 
