@@ -11,44 +11,34 @@
  * engine is not set up yet) goes to the Python methods `_call_slow`
  * (decides everything itself) or `_call_drawn` (the draw said: sample).
  *
- * Notes: a ring of the last GQP_NOTES_KEPT unsampled requests of one
- * thread: (greenlet id, start ns, method, path, request id).  It holds
- * only str objects (nothing for the garbage collector), truncated to the
- * lengths the Python side keeps. */
+ * Notes: for each live greenlet that began a request on the C path (or
+ * Python's unsampled path), that request's method, path and request id, so
+ * that a blocking span can be named after its request.  A table of
+ * GQP_NOTES slots indexed by greenlet id; a greenlet's note is replaced by
+ * its next request and dropped when it dies.  Only the requests in flight
+ * (and keep-alive connections' last ones) are held: holding thousands of
+ * finished requests' strings instead measurably slowed every request (the
+ * allocator hands out cold memory).  A long span takes its note when it
+ * ends (on_long_span), from its greenlet or the nearest of its spawners,
+ * found through live objects: nothing is kept per greenlet for that. */
 
-#define GQP_NOTES_KEPT 4096
+#define GQP_NOTES 1024           /* a power of two */
 #define GQP_NOTE_MAX_METHOD 32
 #define GQP_NOTE_MAX_PATH 2048
 #define GQP_NOTE_MAX_RID 200
+#define GQP_NOTE_MAX_DEPTH 16    /* spawners walked up from a greenlet */
 
-typedef struct {
+typedef struct gqp_note {
     uint64_t gid;
-    int64_t start_ns;
     PyObject *method, *path, *rid;   /* str or NULL */
 } gqp_note;
 
-typedef struct {
-    PyObject_HEAD
-    gqp_note *ring;                  /* GQP_NOTES_KEPT entries, lazily */
-    size_t next;
-} gqp_notes;
-
-static void notes_clear_entry(gqp_note *n)
+static void note_clear(gqp_note *n)
 {
+    n->gid = 0;
     Py_CLEAR(n->method);
     Py_CLEAR(n->path);
     Py_CLEAR(n->rid);
-}
-
-static void notes_dealloc(gqp_notes *self)
-{
-    if (self->ring) {
-        for (size_t i = 0; i < GQP_NOTES_KEPT; i++) {
-            notes_clear_entry(&self->ring[i]);
-        }
-        PyMem_Free(self->ring);
-    }
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* v if it is a str (cut to max characters), else NULL; a new reference. */
@@ -66,26 +56,45 @@ static PyObject *note_str(PyObject *v, Py_ssize_t max)
     return v;
 }
 
-/* 0, or -1 with no exception set when there is no memory for the ring
- * (the request then just goes unnamed in a blocking report). */
-static int notes_add(gqp_notes *self, uint64_t gid, int64_t start_ns,
-                     PyObject *method, PyObject *path, PyObject *rid)
+/* Notes the request greenlet gid begins now (GIL held).  Out of memory:
+ * nothing noted, the request just goes unnamed in a blocking report. */
+static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
+                     PyObject *path, PyObject *rid)
 {
-    if (!self->ring) {
-        self->ring = PyMem_Calloc(GQP_NOTES_KEPT, sizeof *self->ring);
-        if (!self->ring) {
-            return -1;
-        }
+    if (!gid) {
+        return;
     }
-    gqp_note *n = &self->ring[self->next];
-    self->next = (self->next + 1) % GQP_NOTES_KEPT;
-    notes_clear_entry(n);
+    if (!st->notes && !(st->notes = calloc(GQP_NOTES, sizeof *st->notes))) {
+        return;
+    }
+    gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+    note_clear(n);
     n->gid = gid;
-    n->start_ns = start_ns;
     n->method = note_str(method, GQP_NOTE_MAX_METHOD);
     n->path = note_str(path, GQP_NOTE_MAX_PATH);
     n->rid = note_str(rid, GQP_NOTE_MAX_RID);
-    return 0;
+}
+
+/* Greenlet gid died: its note goes (GIL held). */
+static void note_forget(gqp_py_thread *st, uint64_t gid)
+{
+    if (st->notes) {
+        gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+        if (n->gid == gid) {
+            note_clear(n);
+        }
+    }
+}
+
+static void notes_free(gqp_py_thread *st)
+{
+    if (st->notes) {
+        for (size_t i = 0; i < GQP_NOTES; i++) {
+            note_clear(&st->notes[i]);
+        }
+        free(st->notes);
+        st->notes = NULL;
+    }
 }
 
 static PyObject *or_none(PyObject *v)
@@ -93,69 +102,122 @@ static PyObject *or_none(PyObject *v)
     return v ? v : Py_None;   /* borrowed */
 }
 
-/* notes.add(greenlet_id, method, path, request_id): notes a request that
- * begins now (strings; anything else is kept as None). */
-static PyObject *notes_add_py(gqp_notes *self, PyObject *const *args,
-                              Py_ssize_t nargs)
+/* (gid, its spawner's id, that one's spawner's id, ...): gevent's
+ * spawning_greenlet weak references, followed while the spawners live and
+ * are known to the tracer.  A new reference, or NULL (GIL held). */
+static PyObject *spawner_chain(gqp_py_thread *st, PyObject *g, uint64_t gid)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "add takes 4 arguments");
-        return NULL;
+    PyObject *ids[GQP_NOTE_MAX_DEPTH];
+    Py_ssize_t n = 0;
+    PyObject *cur = Py_NewRef(g);
+    while (gid && n < GQP_NOTE_MAX_DEPTH) {
+        if (!(ids[n] = PyLong_FromUnsignedLongLong(gid))) {
+            break;
+        }
+        n++;
+        PyObject *ref = PyObject_GetAttr(cur, spawning_str);
+        PyErr_Clear();
+        PyObject *parent = ref && PyWeakref_Check(ref)
+            ? PyWeakref_GetObject(ref) : NULL;
+        Py_XINCREF(parent);
+        Py_XDECREF(ref);
+        gid = 0;
+        if (parent && parent != Py_None && st->tracer) {
+            gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)parent,
+                                   &gid);
+        }
+        Py_SETREF(cur, parent ? parent : Py_NewRef(Py_None));
     }
-    uint64_t gid = PyLong_AsUnsignedLongLong(args[0]);
-    if (PyErr_Occurred()) {
-        return NULL;
+    Py_DECREF(cur);
+    PyObject *chain = PyTuple_New(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (chain) {
+            PyTuple_SET_ITEM(chain, i, ids[i]);
+        } else {
+            Py_DECREF(ids[i]);
+        }
     }
-    notes_add(self, gid, gqp_clock_wall_ns(), args[1], args[2], args[3]);
-    Py_RETURN_NONE;
+    return chain;
 }
 
-/* notes.find(greenlet_id, end_ns): (method, path, request_id) of the
- * latest request of that greenlet that began by end_ns, or None. */
-static PyObject *notes_find_py(gqp_notes *self, PyObject *const *args,
-                               Py_ssize_t nargs)
+/* (method, path, request_id) of the first noted request along a spawner
+ * chain, or None; a new reference (GIL held). */
+static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "find takes 2 arguments");
-        return NULL;
-    }
-    uint64_t gid = PyLong_AsUnsignedLongLong(args[0]);
-    long long end_ns = PyLong_AsLongLong(args[1]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (!self->ring || !gid) {
-        Py_RETURN_NONE;
-    }
-    for (size_t k = 1; k <= GQP_NOTES_KEPT; k++) {
-        gqp_note *n = &self->ring[(self->next + GQP_NOTES_KEPT - k)
-                                  % GQP_NOTES_KEPT];
-        if (n->gid == gid && n->start_ns <= end_ns) {
+    for (Py_ssize_t i = 0; st->notes && i < PyTuple_GET_SIZE(chain); i++) {
+        uint64_t gid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(chain, i));
+        gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+        if (n->gid == gid) {
             return PyTuple_Pack(3, or_none(n->method), or_none(n->path),
                                 or_none(n->rid));
         }
     }
+    PyErr_Clear();
     Py_RETURN_NONE;
 }
 
-static PyMethodDef notes_methods[] = {
-    {"add", (PyCFunction)(void (*)(void))notes_add_py, METH_FASTCALL,
-     "add(greenlet_id, method, path, request_id): notes a request."},
-    {"find", (PyCFunction)(void (*)(void))notes_find_py, METH_FASTCALL,
-     "find(greenlet_id, end_ns): (method, path, request_id) or None."},
-    {NULL, NULL, 0, NULL},
-};
+static gqp_py_thread *hooks_arg(PyObject *addr)
+{
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(addr);
+    if (!st && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "no hooks at address 0");
+    }
+    return st;
+}
 
-static PyTypeObject gqp_notes_type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "greqprof._core.RequestNotes",
-    .tp_basicsize = sizeof(gqp_notes),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The last unsampled requests of one thread (internal).",
-    .tp_new = PyType_GenericNew,
-    .tp_dealloc = (destructor)notes_dealloc,
-    .tp_methods = notes_methods,
-};
+/* _registry.note(hooks, greenlet_id, method, path, request_id): notes the
+ * request that greenlet begins now (the Python path's twin of the C
+ * path's note). */
+static PyObject *note_py(PyObject *self, PyObject *const *args,
+                         Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "note takes 5 arguments");
+        return NULL;
+    }
+    gqp_py_thread *st = hooks_arg(args[0]);
+    uint64_t gid = st ? PyLong_AsUnsignedLongLong(args[1]) : 0;
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    note_set(st, gid, args[2], args[3], args[4]);
+    Py_RETURN_NONE;
+}
+
+/* _registry.request_note(hooks, greenlet): what a long span of that
+ * greenlet would take if it ended now: ((method, path, request_id) or
+ * None, spawner chain). */
+static PyObject *request_note_py(PyObject *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "request_note takes 2 arguments");
+        return NULL;
+    }
+    gqp_py_thread *st = hooks_arg(args[0]);
+    if (!st) {
+        return NULL;
+    }
+    uint64_t gid = 0;
+    if (st->tracer) {
+        gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)args[1], &gid);
+    }
+    PyObject *chain = spawner_chain(st, args[1], gid);
+    PyObject *note = chain ? note_find(st, chain) : NULL;
+    PyObject *r = note ? PyTuple_Pack(2, note, chain) : NULL;
+    Py_XDECREF(note);
+    Py_XDECREF(chain);
+    return r;
+}
+
+static PyMethodDef note_def = {
+    "note", (PyCFunction)(void (*)(void))note_py, METH_FASTCALL,
+    "note(hooks, greenlet_id, method, path, request_id) (internal)."};
+static PyMethodDef request_note_def = {
+    "request_note", (PyCFunction)(void (*)(void))request_note_py,
+    METH_FASTCALL, "request_note(hooks, greenlet) (internal)."};
 
 /* ---- the middleware's base type --------------------------------------- */
 
@@ -172,7 +234,6 @@ typedef struct {
     /* Armed for one thread's engine (set by Python's _arm): */
     gqp_py_thread *armed_st;
     uint64_t armed_gen;
-    PyObject *notes;         /* that engine's RequestNotes */
     PyObject *lingering;     /* that engine's dict of lingering requests */
 } gqp_mw;
 
@@ -185,7 +246,6 @@ static int mw_traverse(gqp_mw *self, visitproc visit, void *arg)
     Py_VISIT(self->app);
     Py_VISIT(self->stats);
     Py_VISIT(self->rng);
-    Py_VISIT(self->notes);
     Py_VISIT(self->lingering);
     return 0;
 }
@@ -196,7 +256,6 @@ static int mw_clear(gqp_mw *self)
     Py_CLEAR(self->stats);
     Py_CLEAR(self->rng);
     Py_CLEAR(self->trigger_key);
-    Py_CLEAR(self->notes);
     Py_CLEAR(self->lingering);
     self->armed_st = NULL;
     return 0;
@@ -245,7 +304,7 @@ static gqp_py_thread *armed(gqp_mw *self)
 {
     gqp_py_thread *st = gqp__tls;
     if (!st || st != self->armed_st || st->gen != self->armed_gen ||
-        !st->active || !st->tracer || !self->notes ||
+        !st->active || !st->tracer ||
         (self->lingering && PyDict_GET_SIZE(self->lingering) != 0)) {
         return NULL;
     }
@@ -328,12 +387,11 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     if (st) {
         uint64_t gid = 0;
-        if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK &&
-            gid) {
-            notes_add((gqp_notes *)self->notes, gid, gqp_clock_wall_ns(),
-                      PyDict_GetItemWithError(environ, str_method_key),
-                      PyDict_GetItemWithError(environ, str_path_key),
-                      PyDict_GetItemWithError(environ, str_rid_key));
+        if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
+            note_set(st, gid,
+                     PyDict_GetItemWithError(environ, str_method_key),
+                     PyDict_GetItemWithError(environ, str_path_key),
+                     PyDict_GetItemWithError(environ, str_rid_key));
             PyErr_Clear();
         }
     }
@@ -367,23 +425,22 @@ static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
-/* _arm(hooks_address, notes, lingering): unsampled requests of the calling
- * thread take the fast path from now on (the hooks at hooks_address must
- * be this thread's, installed by the engine that owns notes/lingering). */
+/* _arm(hooks_address, lingering): unsampled requests of the calling thread
+ * take the fast path from now on (the hooks at hooks_address must be this
+ * thread's, installed by the engine that owns lingering). */
 static PyObject *mw_arm(gqp_mw *self, PyObject *const *args,
                         Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "_arm takes 3 arguments");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_arm takes 2 arguments");
         return NULL;
     }
     gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
     if (PyErr_Occurred()) {
         return NULL;
     }
-    if (!PyObject_TypeCheck(args[1], &gqp_notes_type) ||
-        !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "_arm wants RequestNotes and a dict");
+    if (!PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_arm wants a dict");
         return NULL;
     }
     if (!st || st != gqp__tls || !st->active) {
@@ -391,8 +448,7 @@ static PyObject *mw_arm(gqp_mw *self, PyObject *const *args,
     }
     self->armed_st = st;
     self->armed_gen = st->gen;
-    Py_XSETREF(self->notes, Py_NewRef(args[1]));
-    Py_XSETREF(self->lingering, Py_NewRef(args[2]));
+    Py_XSETREF(self->lingering, Py_NewRef(args[1]));
     Py_RETURN_TRUE;
 }
 
@@ -407,7 +463,6 @@ static PyObject *mw_disarm(gqp_mw *self, PyObject *unused)
 {
     (void)unused;
     self->armed_st = NULL;
-    Py_CLEAR(self->notes);
     Py_CLEAR(self->lingering);
     Py_RETURN_NONE;
 }
@@ -466,7 +521,8 @@ static PyTypeObject gqp_mw_type = {
     .tp_getset = mw_getset,
 };
 
-/* Registers the types in greqprof._registry (GIL held).  0 or -1. */
+/* Registers the type and functions in greqprof._registry (GIL held).
+ * 0 or -1. */
 static int gqp_py_fast_init(PyObject *reg)
 {
     struct { PyObject **s; const char *v; } strs[] = {
@@ -480,14 +536,19 @@ static int gqp_py_fast_init(PyObject *reg)
             return -1;
         }
     }
-    if (PyType_Ready(&gqp_notes_type) < 0 || PyType_Ready(&gqp_mw_type) < 0) {
-        return -1;
-    }
-    if (PyObject_SetAttrString(reg, "RequestNotes",
-                               (PyObject *)&gqp_notes_type) < 0 ||
+    if (PyType_Ready(&gqp_mw_type) < 0 ||
         PyObject_SetAttrString(reg, "MiddlewareBase",
                                (PyObject *)&gqp_mw_type) < 0) {
         return -1;
+    }
+    PyMethodDef *defs[] = {&note_def, &request_note_def};
+    for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
+        PyObject *fn = PyCFunction_New(defs[i], NULL);
+        int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;
+        Py_XDECREF(fn);
+        if (rc < 0) {
+            return -1;
+        }
     }
     return 0;
 }

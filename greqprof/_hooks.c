@@ -35,6 +35,7 @@ typedef struct gqp_py_thread {
     Py_tracefunc prev_prof;    /* the thread's previous profile function */
     PyObject *prev_prof_obj;
     uint64_t gen;              /* unique per start: _fastpath.c's arming */
+    struct gqp_note *notes;    /* requests of live greenlets (_fastpath.c) */
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -60,7 +61,6 @@ static PyObject *reg_codes;     /* func key -> code object | C-func info */
 static PyObject *reg_stacks;    /* tag -> stack text */
 static PyObject *reg_long;      /* list of long-span records */
 static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
-static PyObject *reg_parents;   /* greenlet id -> spawner's id */
 static PyObject *greenlet_settrace;
 static getter dead_getter;
 static getter frame_getter;
@@ -95,7 +95,12 @@ static getter find_getter(PyObject *type, const char *name)
 static PyMethodDef read_profile_def;
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
-static int gqp_py_fast_init(PyObject *reg);   /* _fastpath.c */
+/* _fastpath.c */
+static int gqp_py_fast_init(PyObject *reg);
+static void note_forget(gqp_py_thread *st, uint64_t gid);
+static PyObject *spawner_chain(gqp_py_thread *st, PyObject *g, uint64_t gid);
+static PyObject *note_find(gqp_py_thread *st, PyObject *chain);
+static void notes_free(gqp_py_thread *st);
 static uint64_t thread_generation;            /* gqp_py_thread_start's */
 
 /* 0 on success; -1 when greenlet or the registry cannot be loaded. */
@@ -136,7 +141,6 @@ static int gqp_py_init(void)
     reg_stacks = PyObject_GetAttrString(reg, "stacks");
     reg_long = PyObject_GetAttrString(reg, "long_spans");
     reg_names = PyObject_GetAttrString(reg, "names");
-    reg_parents = PyObject_GetAttrString(reg, "parents");
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");
         frame_getter = find_getter(gtype, "gr_frame");
@@ -161,7 +165,6 @@ static int gqp_py_init(void)
         goto out;
     }
     if (greenlet_settrace && reg_codes && reg_stacks && reg_long && reg_names &&
-        reg_parents && PyDict_Check(reg_parents) &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
@@ -502,12 +505,20 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     if (!p) {
         name_in_profile(st, origin, sp.greenlet_id, NULL);
     }
+    /* The greenlet's spawners and the request it ran in, as they are now:
+     * spawners are followed through live objects, and a note goes when
+     * its greenlet dies, maybe before Python drains this record. */
+    PyObject *chain = spawner_chain(st, origin, sp.greenlet_id);
+    PyObject *note = chain ? note_find(st, chain) : NULL;
+    PyErr_Clear();
     PyObject *rec = Py_BuildValue(
-        "(kKLLLIIKK)", st->thread_id, (unsigned long long)sp.greenlet_id,
+        "(kKLLLIIKKNN)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
         (unsigned)sp.flags, (unsigned)tag,
         (unsigned long long)(uintptr_t)p,
-        (unsigned long long)(uintptr_t)origin);
+        (unsigned long long)(uintptr_t)origin,
+        note ? note : Py_NewRef(Py_None),
+        chain ? chain : PyTuple_New(0));
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
@@ -539,27 +550,9 @@ static int is_hub(PyObject *g)
     return PyObject_TypeCheck(g, hub_type);
 }
 
-/* A plain int, no tuple: a tuple per greenlet is one more object for the
- * garbage collector to track (measured: ~5 us a request under load). */
-static void remember_parent(uint64_t child_id, uint64_t parent_id)
-{
-    if (PyDict_GET_SIZE(reg_parents) >= GQP_PY_MAX_NAMES) {
-        PyDict_Clear(reg_parents);
-    }
-    PyObject *k = PyLong_FromUnsignedLongLong(child_id);
-    PyObject *pid = PyLong_FromUnsignedLongLong(parent_id);
-    if (k && pid) {
-        PyDict_SetItem(reg_parents, k, pid);
-    }
-    Py_XDECREF(k);
-    Py_XDECREF(pid);
-    PyErr_Clear();
-}
-
 static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 {
     uint64_t key = (uint64_t)(uintptr_t)target;
-    uint64_t parent_id = 0;
     if (st->inherit) {
         /* gevent records who spawned a Greenlet (a weak reference). */
         PyObject *ref = PyObject_GetAttr(target, spawning_str);
@@ -569,7 +562,6 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
             if (parent && parent != Py_None) {
                 uint64_t pkey = (uint64_t)(uintptr_t)parent;
                 gqp_tracer_inherit(st->tracer, key, pkey);
-                gqp_tracer_greenlet_id(st->tracer, pkey, &parent_id);
             }
         }
         Py_XDECREF(ref);
@@ -585,9 +577,6 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
          * hold the loop too long (on_long_span). */
         if (p || !st->inherit || st->hub_key == key) {
             name_in_profile(st, target, id, p);
-        }
-        if (parent_id) {
-            remember_parent(id, parent_id);
         }
     }
 }
@@ -612,12 +601,9 @@ static void forget_later(uint64_t id)
         /* Most greenlets were never named nor given a parent: look before
          * deleting, since a failed PyDict_DelItem raises a KeyError
          * (microseconds, once per greenlet). */
-        PyObject *regs[] = {reg_names, reg_parents};
-        for (size_t i = 0; i < 2; i++) {
-            if (PyDict_GetItemWithError(regs[i], k) &&
-                PyDict_DelItem(regs[i], k) < 0) {
-                PyErr_Clear();
-            }
+        if (PyDict_GetItemWithError(reg_names, k) &&
+            PyDict_DelItem(reg_names, k) < 0) {
+            PyErr_Clear();
         }
         Py_DECREF(k);
     }
@@ -657,6 +643,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             if (ev & GQP_EV_NEW_GREENLET) {
                 on_new_greenlet(st, target);
             }
+        }
+        if (dead_id) {
+            /* (after on_long_span: the dying greenlet's last span still
+             * takes its note) */
+            note_forget(st, dead_id);
         }
     }
     if (st && st->prev_trace) {
@@ -796,6 +787,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
             Py_XDECREF(old->ref);
             Py_XDECREF(old->prev_trace);
             Py_XDECREF(old->prev_prof_obj);
+            notes_free(old);
             free(old);
         } else {
             old->profile_installed = 0;
@@ -978,6 +970,7 @@ static void gqp_py_thread_free(gqp_py_thread *st)
         Py_XDECREF(st->ref);
         Py_XDECREF(st->prev_trace);
         Py_XDECREF(st->prev_prof_obj);
+        notes_free(st);
         free(st);
     }
     PyGILState_Release(gs);

@@ -9,12 +9,12 @@ codes = {}
 #: stack tag -> traceback-style text (bounded in C; oldest dropped)
 stacks = {}
 #: long-span records: (thread_ident, greenlet_id, start_ns, end_ns, cpu_ns,
-#: flags, stack_tag, profile_address); bounded in C, drained by readers
+#: flags, stack_tag, profile_address, greenlet_address, note, chain), note
+#: and chain being request_note() at the span's end; bounded in C, drained
+#: by readers
 long_spans = []
 #: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
 names = {}
-#: greenlet id -> id of the greenlet that spawned it (bounded in C)
-parents = {}
 #: read_profile(profile_address, tracer_address, start_ns, end_ns, top):
 #: a request profile's rows in one call (a C function set by the hooks'
 #: initialisation; see _hooks.c)
@@ -29,6 +29,10 @@ greenlet_id = None
 #: the C base of ProfilingMiddleware: runs the path of unsampled requests
 #: (see _fastpath.c)
 MiddlewareBase = None
-#: the last unsampled requests of one thread, for blocking reports
-#: (see _fastpath.c)
-RequestNotes = None
+#: note(hooks_address, greenlet_id, method, path, request_id): notes the
+#: request that greenlet begins (unsampled requests; see _fastpath.c)
+note = None
+#: request_note(hooks_address, greenlet): (note, chain): chain is the ids of
+#: the greenlet and its live spawners (gevent's spawning_greenlet), note the
+#: first (method, path, request_id) noted along it, or None
+request_note = None

@@ -14,7 +14,7 @@ import os
 import threading
 import weakref
 
-from . import _lowlevel, _registry
+from . import _lowlevel
 from ._lowlevel import RawTracer, RealThreadLocal, real_get_ident
 
 _engines = {}          # thread ident -> Engine
@@ -94,9 +94,6 @@ class Engine:
         self.finisher = None
         self.finisher_wake = None
         self.finisher_woken = False
-        # the last unsampled requests (greenlet id, start, method, path,
-        # request id), for blocking reports; the C path writes it too
-        self.notes = _registry.RequestNotes()
         # (greenlet id, span start ns) -> stack seen by the watchdog
         self.sampled_stacks = {}
         self.generation = _fork_generation[0]

@@ -399,7 +399,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             eng.profile_requests[req.addr] = req
         if cfg.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
-        self._arm(eng.tracer.hooks_addr, eng.notes, eng.lingering)
+        self._arm(eng.tracer.hooks_addr, eng.lingering)
         if self.observers:
             req.observed = []
             for obs in self.observers:
@@ -417,11 +417,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
 
     def _note_unsampled(self, environ):
         """An unsampled request: no profile, no wrapping of the response,
-        just enough to name it in a blocking report.  The C path does the
-        same for the requests it runs (_fastpath.c); this one sets up the
-        thread's engine and arms the C path for it.  A blocking span goes
-        to the latest noted request of its greenlet (ids are never reused)
-        that began before the span ended."""
+        just a note of its method and path on its greenlet, which a
+        blocking span of that greenlet (or of one it spawned) takes when it
+        ends.  The C path does the same for the requests it runs
+        (_fastpath.c); this one sets up the thread's engine and arms the C
+        path for it."""
         eng = _engine.current_engine()
         if eng is None or eng.blocking_ns > self.config.blocking_ns:
             # (also lowers a shared engine's threshold to this one's)
@@ -436,10 +436,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._stop_lingering(eng, g)
         gid = _registry.greenlet_id(eng.tracer_addr, g)
         if gid:
-            eng.notes.add(gid, environ.get("REQUEST_METHOD"),
-                          environ.get("PATH_INFO"),
-                          environ.get("HTTP_X_REQUEST_ID"))
-        self._arm(eng.tracer.hooks_addr, eng.notes, eng.lingering)
+            _registry.note(eng.tracer.hooks_addr, gid,
+                           environ.get("REQUEST_METHOD"),
+                           environ.get("PATH_INFO"),
+                           environ.get("HTTP_X_REQUEST_ID"))
+        self._arm(eng.tracer.hooks_addr, eng.lingering)
 
     def _notify(self, observer, event, *args):
         fn = getattr(observer, event, None)
@@ -671,8 +672,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             if owner is not None and rec[2] < owner.start_ns:
                 owner = None  # a freed profile's address, reused since
             if owner is None:
-                owner = self._request_of_greenlet(eng, rec[1], rec[8],
-                                                  rec[3])
+                owner = self._request_of_greenlet(eng, rec[10], rec[9])
             ev = self._blocking_event(eng, rec, owner)
             if owner is not None and \
                     len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
@@ -687,25 +687,21 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             _registry.long_spans.extend(keep)
 
     @staticmethod
-    def _request_of_greenlet(eng, gid, key, end_ns, depth=16):
-        """The request a greenlet's span belongs to: an open sampled one,
-        or the latest unsampled one that began before the span ended, of
-        the greenlet itself or of its spawner (transitively)."""
-        parents = _registry.parents
-        for _ in range(depth):
-            req = eng.requests.get(gid)
+    def _request_of_greenlet(eng, chain, note):
+        """The request a long span belongs to: the open request (sampled,
+        or seen by observers) of its greenlet or of the nearest of its
+        spawners (chain: their ids, from the hooks), else the unsampled
+        request noted for them (note: (method, path, request id) or
+        None)."""
+        requests = eng.requests
+        for gid in chain:
+            req = requests.get(gid)
             if req is not None:
                 return req
-            note = eng.notes.find(gid, end_ns)
-            if note is not None:
-                return _UnsampledRequest(note)
-            if gid not in parents:
-                return None
-            gid = parents[gid]
-        return None
+        return _UnsampledRequest(note) if note is not None else None
 
     def _blocking_event(self, eng, rec, owner):
-        (tid, gid, start, end, cpu, _flags, tag, paddr, _key) = rec
+        tid, gid, start, end, cpu, _flags, tag, paddr = rec[:8]
         name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
         # A sampled request's profile still needs the stack for its span
         # (_build takes it); otherwise nothing else will.

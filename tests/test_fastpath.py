@@ -6,6 +6,7 @@ Served through a real gevent.pywsgi server, as in test_middleware.py."""
 import logging
 import os
 import sys
+import time
 
 import gevent
 import pytest
@@ -79,7 +80,6 @@ def test_a_raising_rng_never_breaks_the_request(serve, caplog):
 
 
 def test_blocking_in_a_c_path_request_is_named(serve, caplog):
-    import time
     caplog.set_level(logging.INFO, logger=LOGGER)
     gid = []
 
@@ -132,43 +132,120 @@ def test_disabled_middleware_is_a_pass_through(monkeypatch):
     assert mw.stats["requests"] == 0
 
 
-# -- RequestNotes ---------------------------------------------------------
+# -- request notes --------------------------------------------------------
 
-def test_notes_find_the_latest_request_begun_by_then():
-    from greqprof._lowlevel import wall_ns
-    notes = _registry.RequestNotes()
-    assert notes.find(7, wall_ns()) is None
-    notes.add(7, "GET", "/first", None)
-    mid = wall_ns()
-    notes.add(8, "POST", "/other", "rid-8")
-    notes.add(7, "PUT", "/second", "rid-7")
-    now = wall_ns()
-    assert notes.find(7, now) == ("PUT", "/second", "rid-7")
-    assert notes.find(7, mid) == ("GET", "/first", None)
-    assert notes.find(8, now) == ("POST", "/other", "rid-8")
-    assert notes.find(9, now) is None
-    assert notes.find(7, mid - 10**9) is None  # nothing begun that early
+@pytest.fixture(autouse=True)
+def _own_engine():
+    from greqprof import engine
+    engine.shutdown()
+    yield
+    engine.shutdown()
+
+
+def _hooks():
+    """This thread's hooks (installed now, in the calling greenlet)."""
+    from greqprof import engine
+    eng = engine.engine_for_thread(ProfilingMiddleware(
+        ok(), pct=0.0, blocking_ms=100).config)
+    return eng.tracer.hooks_addr
+
+
+def _gid(g=None):
+    from greqprof import engine
+    return engine.current_engine().tracer.greenlet_id(g or gevent.getcurrent())
+
+
+def test_a_note_is_the_greenlets_latest_request():
+    out = []
+
+    def other():
+        gevent.sleep(0.01)
+
+    def run():
+        h = _hooks()
+        me = gevent.getcurrent()
+        note, find = _registry.note, _registry.request_note
+        out.append(find(h, me)[0])
+        note(h, _gid(), "GET", "/first", None)
+        out.append(find(h, me)[0])
+        note(h, _gid(), "PUT", "/second", "rid-7")
+        out.append(find(h, me)[0])
+        o = gevent.spawn(other)
+        gevent.sleep(0)
+        note(h, _gid(o), "POST", "/other", "rid-8")
+        out.append(find(h, me)[0])
+        o.join()
+    gevent.spawn(run).join()
+    assert out == [None, ("GET", "/first", None), ("PUT", "/second", "rid-7"),
+                   ("PUT", "/second", "rid-7")]
 
 
 def test_notes_keep_only_strings_cut_to_size():
-    from greqprof._lowlevel import wall_ns
-    notes = _registry.RequestNotes()
-    notes.add(1, b"GET", 12, object())
-    assert notes.find(1, wall_ns()) == (None, None, None)
-    notes.add(2, "M" * 100, "/" + "p" * 5000, "r" * 1000)
-    method, path, rid = notes.find(2, wall_ns())
-    assert (len(method), len(path), len(rid)) == (32, 2048, 200)
+    out = []
+
+    def run():
+        h = _hooks()
+        _registry.note(h, _gid(), b"GET", 12, object())
+        out.append(_registry.request_note(h, gevent.getcurrent())[0])
+        _registry.note(h, _gid(), "M" * 100, "/" + "p" * 5000, "r" * 1000)
+        out.append(_registry.request_note(h, gevent.getcurrent())[0])
+    gevent.spawn(run).join()
+    assert out[0] == (None, None, None)
+    assert [len(x) for x in out[1]] == [32, 2048, 200]
 
 
-def test_notes_are_a_bounded_ring():
-    from greqprof._lowlevel import wall_ns
-    notes = _registry.RequestNotes()
-    notes.add(1, "GET", "/oldest", None)
-    for i in range(4096):
-        notes.add(2 + i, "GET", "/n", None)
-    assert notes.find(1, wall_ns()) is None  # overwritten
-    assert notes.find(2 + 4095, wall_ns()) == ("GET", "/n", None)
+def test_a_spawned_greenlet_takes_its_spawners_note():
+    out = []
+
+    def grandchild():
+        gevent.sleep(0.01)
+
+    def child():
+        gevent.spawn(grandchild).join()
+
+    def run():
+        h = _hooks()
+        _registry.note(h, _gid(), "GET", "/parent", None)
+        kid = gevent.spawn(child)
+        gevent.sleep(0.001)  # both have run: the tracer knows them
+        out.append(_registry.request_note(h, kid))
+        out.append((_gid(), _gid(kid)))
+        kid.join()
+    gevent.spawn(run).join()
+    (note, chain), (me, kid) = out
+    assert note == ("GET", "/parent", None)
+    assert chain == (kid, me)
+
+
+def test_a_dead_greenlets_note_goes():
+    path = "".join(["/gone-", str(id(object()))])  # a str of its own
+    refs = []
+
+    def served():
+        refs.append(sys.getrefcount(path))
+        _registry.note(_hooks_addr(), _gid(), "GET", path, None)
+        refs.append(sys.getrefcount(path))
+
+    def run():
+        h = _hooks()
+        g = gevent.spawn(served)
+        g.join()
+        refs.append(sys.getrefcount(path))
+        refs.append(_registry.request_note(h, g))
+    gevent.spawn(run).join()
+    before, noted, after, found = refs
+    assert noted == before + 1  # the note holds the path ...
+    assert after == before      # ... until its greenlet dies
+    assert found == (None, ())  # (a dead greenlet has no id any more)
+
+
+def _hooks_addr():
+    from greqprof import engine
+    return engine.current_engine().tracer.hooks_addr
+
+
+def test_note_arguments_are_checked():
     with pytest.raises(TypeError):
-        notes.add(1, "GET")
-    with pytest.raises(OverflowError):
-        notes.add(-1, "GET", "/", None)
+        _registry.note(1, 2)
+    with pytest.raises(ValueError):
+        _registry.request_note(0, gevent.getcurrent())
