@@ -298,15 +298,29 @@ static void count_request(gqp_mw *self)
 }
 
 /* The armed thread state, if this thread's engine is ready for the fast
- * path: hooks active, nothing lingering (a lingering profile must learn
- * that its greenlet began a new request: Python's _stop_lingering). */
+ * path: hooks active, and the running greenlet's previous request is not a
+ * sampled one still lingering (that profile must learn that its greenlet
+ * began a new request: Python's _stop_lingering). */
 static gqp_py_thread *armed(gqp_mw *self)
 {
     gqp_py_thread *st = gqp__tls;
     if (!st || st != self->armed_st || st->gen != self->armed_gen ||
-        !st->active || !st->tracer ||
-        (self->lingering && PyDict_GET_SIZE(self->lingering) != 0)) {
+        !st->active || !st->tracer || !self->lingering) {
         return NULL;
+    }
+    if (PyDict_GET_SIZE(self->lingering) != 0) {
+        /* Keyed by id(greenlet), which is the tracer's key. */
+        uint64_t key = 0;
+        if (gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK) {
+            return NULL;
+        }
+        PyObject *k = PyLong_FromUnsignedLongLong(key);
+        int in = k ? PyDict_Contains(self->lingering, k) : -1;
+        Py_XDECREF(k);
+        if (in != 0) {
+            PyErr_Clear();
+            return NULL;
+        }
     }
     return st;
 }

@@ -62,6 +62,28 @@ def test_sampled_requests_still_get_a_profile_after_the_c_path_is_armed(
     assert s.mw.stats["requests"] == 4 and s.mw.stats["sampled"] == 1
 
 
+def test_a_lingering_profile_keeps_only_its_own_greenlet_off_the_c_path(
+        serve):
+    frames = {}
+    draws = iter([0.9, 0.1, 0.9, 0.9])
+
+    def app(environ, start_response):
+        path = environ["PATH_INFO"]
+        if path == "/sampled":
+            gevent.spawn(gevent.sleep, 0.5)  # keeps the profile lingering
+        frames[path] = greqprof_frames()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=0.5, rng=lambda: next(draws), linger=2.0)
+    assert s.get("/warm-up").status == 200
+    assert s.get("/sampled").status == 200
+    from greqprof import engine
+    assert engine.current_engine().lingering, "the profile should linger"
+    assert s.get("/other-connection").status == 200
+    assert frames["/other-connection"] == []
+    assert s.mw.stats["sampled"] == 1
+
+
 def test_a_raising_rng_never_breaks_the_request(serve, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
 
