@@ -510,15 +510,20 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
      * its greenlet dies, maybe before Python drains this record. */
     PyObject *chain = spawner_chain(st, origin, sp.greenlet_id);
     PyObject *note = chain ? note_find(st, chain) : NULL;
+    /* Its names too: the registry drops a dead greenlet's soon. */
+    PyObject *key = PyLong_FromUnsignedLongLong(sp.greenlet_id);
+    PyObject *names = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    Py_XDECREF(key);
     PyErr_Clear();
     PyObject *rec = Py_BuildValue(
-        "(kKLLLIIKKNN)", st->thread_id, (unsigned long long)sp.greenlet_id,
+        "(kKLLLIIKKNNO)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
         (unsigned)sp.flags, (unsigned)tag,
         (unsigned long long)(uintptr_t)p,
         (unsigned long long)(uintptr_t)origin,
         note ? note : Py_NewRef(Py_None),
-        chain ? chain : PyTuple_New(0));
+        chain ? chain : PyTuple_New(0),
+        names ? names : Py_None);
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
@@ -581,10 +586,13 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     }
 }
 
-/* Names of dead greenlets are kept a while (a blocking record or a waiting
- * list drained after the greenlet ended still wants them), then dropped:
- * the registry stays the size of the live greenlets plus this ring. */
-#define GQP_PY_DEAD_KEPT 4096
+/* Names of dead greenlets are kept a while (a profile finished after some
+ * of the greenlets it waited on ended still wants them), then dropped: the
+ * registry stays the size of the live greenlets plus this ring.  Blocking
+ * records carry their names.  Kept short: every entry is memory held
+ * across requests, which costs all requests (4096: ~2 % of throughput at
+ * pct=1.0, where every request's greenlets are named). */
+#define GQP_PY_DEAD_KEPT 256
 static uint64_t dead_ring[GQP_PY_DEAD_KEPT];
 static size_t dead_pos;
 

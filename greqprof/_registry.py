@@ -9,9 +9,9 @@ codes = {}
 #: stack tag -> traceback-style text (bounded in C; oldest dropped)
 stacks = {}
 #: long-span records: (thread_ident, greenlet_id, start_ns, end_ns, cpu_ns,
-#: flags, stack_tag, profile_address, greenlet_address, note, chain), note
-#: and chain being request_note() at the span's end; bounded in C, drained
-#: by readers
+#: flags, stack_tag, profile_address, greenlet_address, note, chain,
+#: names), note and chain being request_note() and names the greenlet's
+#: (name, fn_name) at the span's end; bounded in C, drained by readers
 long_spans = []
 #: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
 names = {}

@@ -702,7 +702,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
 
     def _blocking_event(self, eng, rec, owner):
         tid, gid, start, end, cpu, _flags, tag, paddr = rec[:8]
-        name, fn = _registry.names.get(gid) or ("greenlet-%d" % gid, "")
+        name, fn = rec[11] or _registry.names.get(gid) or (
+            "greenlet-%d" % gid, "")
         # A sampled request's profile still needs the stack for its span
         # (_build takes it); otherwise nothing else will.
         keep = owner is not None and owner.profile is not None

@@ -271,3 +271,27 @@ def test_note_arguments_are_checked():
         _registry.note(1, 2)
     with pytest.raises(ValueError):
         _registry.request_note(0, gevent.getcurrent())
+
+
+def test_a_blocking_report_keeps_its_greenlets_name_after_many_deaths(
+        serve, caplog):
+    # The registry forgets dead greenlets' names soon (memory held across
+    # requests slows every request); the blocking record carries its own.
+    caplog.set_level(logging.INFO, logger=LOGGER)
+
+    def blocker():
+        time.sleep(0.15)
+
+    def app(environ, start_response):
+        g = gevent.Greenlet(blocker)
+        g.name = "named-blocker"
+        g.start()
+        g.join()
+        gevent.joinall([gevent.spawn(int) for _ in range(600)])
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=0.0, blocking_ms=100)
+    assert s.get("/warm-up-and-block").status == 200
+    w = wait_for(lambda: _blocking_warnings(caplog, "named-blocker"),
+                 what="the blocking WARNING naming the greenlet")
+    assert "blocker" in w[0] and "during GET /warm-up-and-block" in w[0]
