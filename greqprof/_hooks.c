@@ -95,6 +95,8 @@ static getter find_getter(PyObject *type, const char *name)
 static PyMethodDef read_profile_def;
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
+static PyMethodDef running_since_def;
+static PyMethodDef wall_ns_def;
 /* _fastpath.c */
 static int gqp_py_fast_init(PyObject *reg);
 static void note_forget(gqp_py_thread *st, uint64_t gid);
@@ -148,7 +150,8 @@ static int gqp_py_init(void)
     }
     Py_XDECREF(gtype);
     PyMethodDef *defs[] = {&read_profile_def, &attach_def,
-                           &greenlet_id_def};
+                           &greenlet_id_def, &running_since_def,
+                           &wall_ns_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         if (!fn || PyObject_SetAttrString(reg, defs[i]->ml_name, fn) < 0) {
@@ -1051,6 +1054,46 @@ static PyObject *greenlet_id_fast(PyObject *self, PyObject *const *args,
 static PyMethodDef greenlet_id_def = {
     "greenlet_id", (PyCFunction)(void (*)(void))greenlet_id_fast,
     METH_FASTCALL, "The tracer's id of a greenlet, 0 if unseen (internal)."};
+
+/* _registry.running_since(tracer): (start_ns, greenlet_id) of the running
+ * span, or None.  Without cffi, which releases the GIL: the watchdog
+ * thread calls this, and a GIL hand-off per call slowed the serving
+ * thread. */
+static PyObject *running_since_fast(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(arg);
+    if (!t) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "no tracer at address 0");
+        }
+        return NULL;
+    }
+    int64_t start = 0;
+    uint64_t id = 0;
+    if (gqp_tracer_running_since(t, &start, &id) != GQP_OK) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(LK)", (long long)start, (unsigned long long)id);
+}
+
+static PyMethodDef running_since_def = {
+    "running_since", (PyCFunction)running_since_fast, METH_O,
+    "(start_ns, greenlet_id) of a tracer's running span, or None "
+    "(internal)."};
+
+/* _registry.wall_ns(): libgreqprof's wall clock (monotonic ns), without
+ * cffi's GIL release. */
+static PyObject *wall_ns_fast(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong((long long)gqp_clock_wall_ns());
+}
+
+static PyMethodDef wall_ns_def = {
+    "wall_ns", (PyCFunction)wall_ns_fast, METH_NOARGS,
+    "libgreqprof's wall clock in ns (internal)."};
 
 /* One call instead of three: a profile for one request. */
 static gqp_profile *gqp_py_profile_new(size_t max_spans)

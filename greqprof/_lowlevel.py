@@ -189,6 +189,7 @@ class RawTracer:
         out = ffi.new("gqp_tracer **")
         _check(lib.gqp_tracer_new(out), "gqp_tracer_new")
         self.ptr = ffi.gc(out[0], lib.gqp_tracer_free)
+        self.addr = int(ffi.cast("uintptr_t", self.ptr))
         mode = {"off": lib.GQP_CPU_OFF, "estimate": lib.GQP_CPU_ESTIMATE,
                 "exact": lib.GQP_CPU_EXACT}[cpu_mode]
         self.set(lib.GQP_TRACER_CPU_MODE, mode, "cpu mode")
@@ -275,15 +276,14 @@ class RawTracer:
         return out[0]
 
     def running_since(self):
-        start = ffi.new("int64_t *")
-        gid = ffi.new("uint64_t *")
-        if lib.gqp_tracer_running_since(self.ptr, start, gid) < 0:
-            return None
-        return start[0], gid[0]
+        """(start_ns, greenlet id) of the running span, or None; safe
+        from any thread (and keeps the GIL)."""
+        return _registry.running_since(self.addr)
 
 
-def wall_ns():
-    return lib.gqp_clock_wall_ns()
+#: libgreqprof's wall clock (monotonic ns): a C function of the CPython API,
+#: which unlike a cffi call keeps the GIL (see _hooks.c)
+wall_ns = _registry.wall_ns
 
 
 def capture_thread_stack(thread_ident):

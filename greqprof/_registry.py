@@ -26,6 +26,11 @@ attach = None
 #: greenlet_id(tracer_address, greenlet): the tracer's id of a greenlet, 0
 #: when unseen (a C function, see _hooks.c)
 greenlet_id = None
+#: running_since(tracer_address): (start_ns, greenlet_id) of the running
+#: span, or None (a C function, see _hooks.c)
+running_since = None
+#: wall_ns(): libgreqprof's monotonic clock in ns (a C function)
+wall_ns = None
 #: the C base of ProfilingMiddleware: runs the path of unsampled requests
 #: (see _fastpath.c)
 MiddlewareBase = None
