@@ -38,6 +38,7 @@ def _after_fork_in_child():
     # starts with none counted against max_open.
     for mw in list(_middlewares):
         mw._open = 0
+        mw.pid = os.getpid()  # (a system call: not made per profile)
         mw._disarm()
 
 
@@ -631,7 +632,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             wall=(end_ns - req.start_ns) * NS, calls=calls,
             dropped_spans=dropped_spans, dropped_calls=dropped_calls,
             blocking=[], clock=self.config.clock, sampled_by=req.sampled_by,
-            request_id=req.request_id, pid=os.getpid(),
+            request_id=req.request_id, pid=self.pid,
             hostname=self.hostname, error=req.error)
 
     def _drain_loop(self, eng):
@@ -719,7 +720,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             start=(start + origin_epoch) * NS, end=(end + origin_epoch) * NS,
             wall=(end - start) * NS, cpu=None if cpu < 0 else cpu * NS,
             stack=stack, sampled_stack=sampled, method=method, path=path,
-            request_id=rid, pid=os.getpid(), hostname=self.hostname)
+            request_id=rid, pid=self.pid, hostname=self.hostname)
 
     # -- output -------------------------------------------------------------
     def _log_blocking(self, ev):
