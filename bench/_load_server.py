@@ -27,8 +27,8 @@ factory::
 
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
-Configurations (see CONFIGS): bare, gqp-5pct, gqp-100pct, gqp-100pct-calls,
-werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
+Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
+gqp-5pct, gqp-100pct, gqp-100pct-calls, werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
 """
 import argparse
 import json
@@ -162,6 +162,8 @@ def _yappi(app):
 #: key -> (label, wrapper)
 CONFIGS = {
     "bare": ("bare app", lambda app: app),
+    "gqp-0pct": ("greqprof pct=0 (blocking detection only)",
+                 _greqprof(pct=0.0)),
     "gqp-5pct": ("greqprof pct=0.05 (spans)", _greqprof(pct=0.05)),
     "gqp-100pct": ("greqprof pct=1.0 (spans)", _greqprof(pct=1.0)),
     "gqp-100pct-calls": ("greqprof pct=1.0 calls=True",

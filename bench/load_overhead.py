@@ -20,6 +20,12 @@ server alone instead and compares medians (the method of earlier tables).
     python bench/load_overhead.py --gunicorn      # + gunicorn rows, ~5 min
     python bench/load_overhead.py --micro         # + in-process ns/request
     python bench/load_overhead.py --quick         # smoke run (test suite)
+    python bench/load_overhead.py --ab A B        # B against A, side by side
+
+--ab compares two configurations with the same side-by-side method, each
+``[CHECKOUT:]CONFIG``: a _load_server config key (or ``gqp{JSON}``),
+optionally served from another checkout of greqprof (a git worktree, built
+in place), e.g. ``--ab /tmp/old:gqp-5pct gqp-5pct`` measures a change.
 
 Progress goes to stderr, results to stdout.  A configuration whose package
 (werkzeug, yappi, gunicorn) or tool (wrk) is missing is reported as skipped
@@ -54,8 +60,10 @@ TARGETS = {"gqp-5pct": 0.99, "gqp-100pct": 0.97,
 
 
 class Cfg:
-    def __init__(self, key, label, server="pywsgi", needs=None, base="bare"):
+    def __init__(self, key, label, server="pywsgi", needs=None, base="bare",
+                 root=None):
         self.key = key            # unique id (JSON, --only)
+        self.root = root          # checkout it is served from (None: this)
         self.label = label
         self.server = server      # "pywsgi" or "gunicorn"
         self.app_config = key.split(":", 1)[-1]   # _load_server CONFIGS key
@@ -69,6 +77,8 @@ CONFIGS = [
         "app"),
     Cfg("settrace-noop", "reference: greenlet.settrace with a C no-op "
         "callback"),
+    Cfg("gqp-0pct", "greqprof pct=0: blocking detection only (the path "
+        "of unsampled requests)"),
     Cfg("gqp-5pct", "greqprof pct=0.05, spans only"),
     Cfg("gqp-100pct", "greqprof pct=1.0, spans only"),
     Cfg("gqp-100pct-calls", "greqprof pct=1.0, calls=True"),
@@ -148,11 +158,17 @@ class Server:
                if not k.startswith(("GREQPROF_", "OTEL_"))}
         env["PYTHONUNBUFFERED"] = "1"
         if self.cfg.server == "pywsgi":
-            cmd = [sys.executable, SERVER, "--config", self.cfg.app_config,
+            root = self.cfg.root or ROOT
+            if self.cfg.root:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [root] + [x for x in [env.get("PYTHONPATH")] if x])
+            cmd = [sys.executable, os.path.join(root, "bench",
+                                                "_load_server.py"),
+                   "--config", self.cfg.app_config,
                    "--port", "0", "--rows", str(self.rows)]
             self.proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=self.errfile,
-                stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
+                stdin=subprocess.DEVNULL, env=env, cwd=root,
                 preexec_fn=_pin(self.cpu))
             self.port = self._read_port(timeout)
         else:
@@ -776,6 +792,48 @@ def _app_us(rows):
         return None
 
 
+def _ab_cfg(spec):
+    """A Cfg from ``[CHECKOUT:]CONFIG`` (--ab)."""
+    root, sep, rest = spec.partition(":")
+    if sep and os.path.isdir(root):
+        if not os.path.isfile(os.path.join(root, "bench", "_load_server.py")):
+            raise SystemExit("%s is not a greqprof checkout" % root)
+        cfg = Cfg(spec, spec, root=os.path.abspath(root))
+        cfg.app_config = rest
+        return cfg
+    cfg = Cfg(spec, spec)
+    cfg.app_config = spec
+    return cfg
+
+
+def run_ab(specs, args):
+    """--ab A B: B side by side with A, args.rounds times; prints every
+    round and the medians (B/A req/s, B-A server CPU per request)."""
+    a, b = _ab_cfg(specs[0]), _ab_cfg(specs[1])
+    ratios, deltas = [], []
+    for rnd in range(args.rounds):
+        try:
+            r = measure_pair(b, a, args)
+        except Skip as e:
+            bu.log("round %d skipped: %s" % (rnd + 1, e))
+            continue
+        ratios.append(r["pair_ratio"])
+        d = None
+        if "server_cpu_us_per_req" in r and "base_cpu_us_per_req" in r:
+            d = r["server_cpu_us_per_req"] - r["base_cpu_us_per_req"]
+            deltas.append(d)
+        print("round %d: B/A req/s %.3f%s" % (
+            rnd + 1, r["pair_ratio"],
+            "" if d is None else ", B-A %+.1f us/req of server CPU "
+            "(A %.0f)" % (d, r["base_cpu_us_per_req"])), flush=True)
+    if not ratios:
+        return 1
+    print("A = %s\nB = %s\nmedian B/A req/s %.3f (%.3f-%.3f)%s" % (
+        specs[0], specs[1], median(ratios), min(ratios), max(ratios),
+        ", B-A %+.1f us/req" % median(deltas) if deltas else ""))
+    return 0
+
+
 def main():
     p = bu.argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -825,6 +883,9 @@ def main():
                         "same CPU: see measure_pair)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when a greqprof row misses its target")
+    p.add_argument("--ab", nargs=2, metavar=("A", "B"),
+                   help="measure B side by side with A only, each "
+                        "[CHECKOUT:]CONFIG (see above)")
     args = p.parse_args()
     command = " ".join(shlex.quote(a) for a in
                        [os.path.relpath(sys.executable, ROOT)
@@ -844,6 +905,10 @@ def main():
     if not args.no_pin and len(cpus) >= 2:
         args.wrk_cpu, args.server_cpu = cpus[0], cpus[-1]
 
+    if args.ab:
+        if wrk_version() is None:
+            raise SystemExit("--ab needs wrk on PATH")
+        return run_ab(args.ab, args)
     configs = CONFIGS + (GUNICORN_CONFIGS if args.gunicorn else [])
     if args.list:
         for c in CONFIGS + GUNICORN_CONFIGS:

@@ -29,6 +29,25 @@ def test_benchmark_script_runs(script):
 
 @pytest.mark.skipif(shutil.which("wrk") is None,
                     reason="wrk (Debian package) is not installed")
+def test_load_benchmark_ab_runs_a_checkout_beside_a_config():
+    """bench/load_overhead.py --ab: B (a config of this tree) beside A (a
+    config served from a checkout given by path, here this one)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "load_overhead.py"),
+         "--quick", "--ab", ROOT + ":bare", 'gqp{"pct": 0.5}'],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "round 1: B/A req/s" in proc.stdout, proc.stdout
+    assert "median B/A req/s" in proc.stdout, proc.stdout
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "load_overhead.py"),
+         "--quick", "--ab", os.path.join(ROOT, "docs") + ":bare", "bare"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "not a greqprof checkout" in bad.stderr
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None,
+                    reason="wrk (Debian package) is not installed")
 def test_load_benchmark_runs(tmp_path):
     """bench/load_overhead.py --quick: real servers side by side under wrk;
     the greqprof row must have sampled requests and no internal error."""
