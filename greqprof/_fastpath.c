@@ -343,7 +343,8 @@ static void draw_failed(gqp_mw *self)
 
 static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
 {
-    if (kwargs || !PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2) {
+    if ((kwargs && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs))) ||
+        !PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2) {
         /* Not a plain WSGI call: Python reports it as it would. */
         PyObject *slow = PyObject_GetAttr((PyObject *)self, str_call_slow);
         if (!slow) {
@@ -412,30 +413,29 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     return call2(self->app, environ, start_response);
 }
 
-/* _fast_setup(enabled, pct, rng, trigger_key, blocking, slow_only, stats) */
+/* _fast_setup(pct, rng, trigger_key, blocking, slow_only, stats) */
 static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
                                Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "_fast_setup takes 7 arguments");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "_fast_setup takes 6 arguments");
         return NULL;
     }
-    double pct = PyFloat_AsDouble(args[1]);
+    double pct = PyFloat_AsDouble(args[0]);
     if (pct == -1.0 && PyErr_Occurred()) {
         return NULL;
     }
-    if (args[3] != Py_None && !PyUnicode_Check(args[3])) {
+    if (args[2] != Py_None && !PyUnicode_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "trigger_key must be a str or None");
         return NULL;
     }
-    self->enabled = PyObject_IsTrue(args[0]);
     self->pct = pct;
-    Py_XSETREF(self->rng, args[2] == Py_None ? NULL : Py_NewRef(args[2]));
+    Py_XSETREF(self->rng, args[1] == Py_None ? NULL : Py_NewRef(args[1]));
     Py_XSETREF(self->trigger_key,
-               args[3] == Py_None ? NULL : Py_NewRef(args[3]));
-    self->blocking = PyObject_IsTrue(args[4]);
-    self->slow_only = PyObject_IsTrue(args[5]);
-    Py_XSETREF(self->stats, Py_NewRef(args[6]));
+               args[2] == Py_None ? NULL : Py_NewRef(args[2]));
+    self->blocking = PyObject_IsTrue(args[3]);
+    self->slow_only = PyObject_IsTrue(args[4]);
+    Py_XSETREF(self->stats, Py_NewRef(args[5]));
     Py_RETURN_NONE;
 }
 
@@ -502,9 +502,31 @@ static int mw_set_app(gqp_mw *self, PyObject *value, void *closure)
     return 0;
 }
 
+static PyObject *mw_get_enabled(gqp_mw *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->enabled);
+}
+
+static int mw_set_enabled(gqp_mw *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    int on = value ? PyObject_IsTrue(value) : -1;
+    if (on < 0) {
+        if (!value) {
+            PyErr_SetString(PyExc_AttributeError, "enabled cannot be deleted");
+        }
+        return -1;
+    }
+    self->enabled = on;
+    return 0;
+}
+
 static PyGetSetDef mw_getset[] = {
     {"app", (getter)mw_get_app, (setter)mw_set_app,
      "The wrapped WSGI application.", NULL},
+    {"enabled", (getter)mw_get_enabled, (setter)mw_set_enabled,
+     "False: a plain pass-through (GREQPROF_ENABLED=0).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -219,7 +219,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self.inspector = self._outputs.ui if self._outputs else None
             # The C part (_fastpath.c) runs unsampled requests by itself;
             # the rest comes back to _call_slow / _call_drawn.
-            self._fast_setup(self.enabled, self.config.pct, self._random,
+            self._fast_setup(self.config.pct, self._random,
                              self._trigger_key, bool(self.config.blocking_ns),
                              self.inspector is not None or bool(self.observers),
                              self.stats)

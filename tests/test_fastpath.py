@@ -295,3 +295,18 @@ def test_a_blocking_report_keeps_its_greenlets_name_after_many_deaths(
     w = wait_for(lambda: _blocking_warnings(caplog, "named-blocker"),
                  what="the blocking WARNING naming the greenlet")
     assert "blocker" in w[0] and "during GET /warm-up-and-block" in w[0]
+
+
+def test_enabled_can_be_switched_at_run_time():
+    seen = []
+
+    def app(environ, start_response):
+        seen.append(greqprof_frames())
+        return [b"x"]
+    mw = ProfilingMiddleware(app, pct=1.0, blocking_ms=None)
+    assert mw.enabled is True
+    mw.enabled = False
+    gevent.spawn(mw, {"PATH_INFO": "/"}, None).join()
+    assert seen == [[]] and mw.stats["requests"] == 0
+    with pytest.raises(AttributeError):
+        del mw.enabled
