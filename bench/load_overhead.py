@@ -54,6 +54,8 @@ import _benchutil as bu  # noqa: E402
 SERVER = os.path.join(HERE, "_load_server.py")
 URL_PATH = "/hello?name=bench"
 
+#: greqprof rows that sample no request (pct=0): any sample is an error
+NO_SAMPLING = {"gqp-0pct"}
 #: greqprof targets: minimum median req/s ratio to the bare app
 TARGETS = {"gqp-5pct": 0.99, "gqp-100pct": 0.97,
            "gunicorn:gqp-5pct": 0.99}
@@ -563,9 +565,12 @@ def summarize(results, configs):
                                          - base["server_cpu_us_per_req"])
         target = TARGETS.get(cfg.key)
         mw = r.get("middleware")
-        if mw is not None and (mw.get("errors") or not mw.get("sampled")):
-            # greqprof failed on (some) requests: the row does not measure
-            # profiling, whatever its req/s
+        samples = cfg.key not in NO_SAMPLING
+        if mw is not None and (mw.get("errors")
+                               or (samples and not mw.get("sampled"))
+                               or (not samples and mw.get("sampled"))):
+            # greqprof failed on (some) requests, or did not sample as
+            # configured: the row does not measure what its label says
             r["invalid"] = ("greqprof internal errors on %d of %d requests, "
                             "%d sampled" % (mw.get("errors", 0),
                                             mw.get("requests", 0),
