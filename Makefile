@@ -1,6 +1,7 @@
 # greqprof -- one entry point for building and testing.
 #   make test     C library + C tests (plain, ASan+UBSan, valgrind, fuzz
-#                 replay) + Python package in .venv + pytest
+#                 replay) + Python package in .venv + pytest (and the
+#                 extension's C under ASan: pytest-asan)
 #   make demo     run the example app with the middleware against real requests
 #   make bench    overhead benchmarks (see bench/README.md)
 CC      ?= gcc
@@ -24,7 +25,7 @@ CFLAGS_COMMON := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Ilibgreqprof/includ
 CFLAGS  ?= -O2 -g
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest test demo bench clean
+.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest pytest-asan test demo bench clean
 
 all: lib
 
@@ -106,7 +107,27 @@ venv: $(VPY)
 pytest: venv
 	$(VPY) -m pytest -q -p no:cacheprovider
 
-test: ctest ctest-asan valgrind tsan fuzz pytest
+# The extension (_hooks.c, _fastpath.c and libgreqprof as compiled into it)
+# under AddressSanitizer, through the tests that exercise it hardest.  Heap
+# checks only: greenlet copies stacks around, which stack instrumentation
+# reports as errors.  libstdc++ is preloaded so ASan sees greenlet's C++
+# exceptions.  Built into build/asan-py, away from the in-place build.
+ASAN_PY := build/asan-py
+ASAN_TESTS := test_fastpath.py test_middleware.py test_faults.py test_threads_fork.py
+ASAN_RUN = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+  ASAN_OPTIONS=detect_leaks=0:replace_intrin=0:detect_stack_use_after_return=0:abort_on_error=1 \
+  $(CURDIR)/$(VPY)
+pytest-asan: venv
+	rm -rf $(ASAN_PY) build/asan-build
+	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g --param asan-stack=0" \
+	  LDFLAGS="-fsanitize=address" \
+	  $(VPY) setup.py -q build --build-base build/asan-build --build-lib $(ASAN_PY) >/dev/null
+	cd $(ASAN_PY) && $(ASAN_RUN) -c "import greqprof._core as c, os; \
+	  assert os.path.abspath(c.__file__).startswith(os.getcwd()), c.__file__"
+	cd $(ASAN_PY) && $(ASAN_RUN) -m pytest -q -p no:cacheprovider \
+	  --rootdir=$(CURDIR) $(addprefix $(CURDIR)/tests/,$(ASAN_TESTS))
+
+test: ctest ctest-asan valgrind tsan fuzz pytest pytest-asan
 
 demo: venv
 	$(VPY) examples/demo.py
