@@ -765,6 +765,12 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             pass
 
 
+#: seconds the finisher stays up after a batch, collecting more: profiles
+#: then finish in batches, with one wake-up each instead of one per sampled
+#: request (a wake-up is a loop callback, an Event and two switches)
+FINISH_BATCH_S = 0.01
+
+
 def _finisher_loop(eng):
     """Finishes queued profiles whose requests' greenlets are all done (or
     whose linger ran out); sleeps while nothing waits."""
@@ -772,7 +778,8 @@ def _finisher_loop(eng):
     from gevent.event import Event
     eng.finisher_wake = Event()
     while not eng.abandoned:
-        eng.finisher_woken = False
+        # Up and about to look at `pending`: nobody needs to wake it.
+        eng.finisher_woken = True
         now = _lowlevel.wall_ns()
         waiting = []
         for mw, req in eng.pending:
@@ -784,9 +791,13 @@ def _finisher_loop(eng):
         eng.pending = waiting
         if waiting:
             gevent.sleep(0.005)
-        else:
-            eng.finisher_wake.clear()
-            eng.finisher_wake.wait()
+            continue
+        gevent.sleep(FINISH_BATCH_S)
+        if eng.pending:
+            continue
+        eng.finisher_woken = False
+        eng.finisher_wake.clear()
+        eng.finisher_wake.wait()
 
 
 class _UnsampledRequest:
