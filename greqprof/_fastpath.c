@@ -8,8 +8,8 @@
  * no Python frame of greqprof's under the app (gevent.spawn walks the line
  * table of every frame of the spawning stack).  Everything else (a sampled
  * request, the trigger header, the inspector, observers, a thread whose
- * engine is not set up yet) goes to the Python methods `_call_slow`
- * (decides everything itself) or `_call_drawn` (the draw said: sample).
+ * engine is not set up yet) goes to the Python method `_call_slow`, told
+ * when the draw here already said: sample.
  *
  * Notes: for each live greenlet that began a request on the C path (or
  * Python's unsampled path), that request's method, path and request id, so
@@ -237,7 +237,7 @@ typedef struct {
     PyObject *lingering;     /* that engine's dict of lingering requests */
 } gqp_mw;
 
-static PyObject *str_call_slow, *str_call_drawn, *str_requests,
+static PyObject *str_call_slow, *str_pct, *str_requests,
     *str_internal_error, *str_begin, *str_method_key, *str_path_key,
     *str_rid_key;
 
@@ -397,8 +397,10 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     count_request(self);
     if (sampled) {
-        return call_method2((PyObject *)self, str_call_drawn, environ,
-                            start_response);
+        /* _call_slow(environ, start_response, drawn="pct") */
+        PyObject *args[] = {(PyObject *)self, environ, start_response,
+                            str_pct};
+        return PyObject_VectorcallMethod(str_call_slow, args, 4, NULL);
     }
     if (st) {
         uint64_t gid = 0;
@@ -562,7 +564,7 @@ static PyTypeObject gqp_mw_type = {
 static int gqp_py_fast_init(PyObject *reg)
 {
     struct { PyObject **s; const char *v; } strs[] = {
-        {&str_call_slow, "_call_slow"}, {&str_call_drawn, "_call_drawn"},
+        {&str_call_slow, "_call_slow"}, {&str_pct, "pct"},
         {&str_requests, "requests"}, {&str_internal_error, "_internal_error"},
         {&str_begin, "begin"}, {&str_method_key, "REQUEST_METHOD"},
         {&str_path_key, "PATH_INFO"}, {&str_rid_key, "HTTP_X_REQUEST_ID"},

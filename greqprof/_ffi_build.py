@@ -115,7 +115,7 @@ int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                       int64_t start_ns, int64_t end_ns, int64_t *total_ns,
                       uint64_t *ids, int64_t *ns, size_t n, int *complete);
 
-int gqp_py_setup(void);
+int gqp_py_init(void);
 gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err);
 int gqp_py_thread_stop(gqp_py_thread *st);
 int gqp_py_calls(gqp_py_thread *st, int on);

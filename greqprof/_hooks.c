@@ -105,7 +105,10 @@ static PyObject *note_find(gqp_py_thread *st, PyObject *chain);
 static void notes_free(gqp_py_thread *st);
 static uint64_t thread_generation;            /* gqp_py_thread_start's */
 
-/* 0 on success; -1 when greenlet or the registry cannot be loaded. */
+/* Loads the registry and puts the C functions and types the Python side
+ * builds on (the middleware's base type) into it; called at import and by
+ * every start, once effective.  0 on success; -1 when greenlet or the
+ * registry cannot be loaded. */
 static int gqp_py_init(void)
 {
     PyGILState_STATE gs = PyGILState_Ensure();
@@ -179,13 +182,6 @@ static int gqp_py_init(void)
 out:
     PyGILState_Release(gs);
     return rc;
-}
-
-/* Loads the registry and the C types the Python side builds on (the
- * middleware's base type); called once at import.  0 or -1. */
-static int gqp_py_setup(void)
-{
-    return gqp_py_init();
 }
 
 /* ---- helpers (GIL held) ---------------------------------------------- */
@@ -609,9 +605,9 @@ static void forget_later(uint64_t id)
     }
     PyObject *k = PyLong_FromUnsignedLongLong(old);
     if (k) {
-        /* Most greenlets were never named nor given a parent: look before
-         * deleting, since a failed PyDict_DelItem raises a KeyError
-         * (microseconds, once per greenlet). */
+        /* Most greenlets were never named: look before deleting, since a
+         * failed PyDict_DelItem raises a KeyError (microseconds, once per
+         * greenlet). */
         if (PyDict_GetItemWithError(reg_names, k) &&
             PyDict_DelItem(reg_names, k) < 0) {
             PyErr_Clear();

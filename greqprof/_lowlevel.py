@@ -11,7 +11,7 @@ NS = 1e-9
 
 # Fills greqprof._registry with the hooks' containers and C types (the
 # middleware's base type among them) before anything imports them.
-if lib.gqp_py_setup() != 0:
+if lib.gqp_py_init() != 0:
     raise ImportError("greqprof._core could not initialise its CPython "
                       "hooks (is greenlet importable?)")
 

@@ -66,7 +66,6 @@ class Engine:
             cpu_mode=config.cpu_mode, call_clock=config.clock,
             long_span_ns=config.blocking_ns, cpu_window_ns=CPU_WINDOW_IDLE)
         self.tracer.set_default(None)
-        self.tracer_addr = self.tracer.addr
         # The call hook is only on while a sampled request wants calls
         # (acquire_calls/release_calls): unsampled requests pay nothing
         # per call.

@@ -218,7 +218,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 ui_keep=ui_keep)
             self.inspector = self._outputs.ui if self._outputs else None
             # The C part (_fastpath.c) runs unsampled requests by itself;
-            # the rest comes back to _call_slow / _call_drawn.
+            # the rest comes back to _call_slow.
             self._fast_setup(self.config.pct, self._random,
                              self._trigger_key, bool(self.config.blocking_ns),
                              self.inspector is not None or bool(self.observers),
@@ -253,33 +253,23 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     # -- the WSGI entry point ---------------------------------------------
     # __call__ is MiddlewareBase's, in C (_fastpath.c): a request that is
     # not sampled runs the app with no greqprof frame under it.  It hands
-    # the other requests to the two methods below.
+    # the other requests to _call_slow.
 
-    def _call_slow(self, environ, start_response):
-        """A request the C path does not decide alone (the trigger header,
-        the inspector, observers, a thread not set up yet): everything in
-        Python."""
+    def _call_slow(self, environ, start_response, drawn=None):
+        """A request the C path does not run alone: drawn for a profile
+        (drawn="pct": already drawn and counted), or one it does not decide
+        (the trigger header, the inspector, observers, a thread not set up
+        yet), which Python decides."""
         req = None
         if self.enabled:  # (GREQPROF_ENABLED=0: a plain pass-through)
             try:
-                req = self._begin(environ)
+                req = self._begin(environ, drawn)
             except Exception as e:  # greqprof must never break the app
                 self._internal_error("begin", e)
         if req is None:
             return self.app(environ, start_response)
         if req is _INSPECTOR:
             return self.inspector(environ, start_response)  # not profiled
-        return self._call_profiled(req, environ, start_response)
-
-    def _call_drawn(self, environ, start_response):
-        """A request the C path drew for a profile (and counted)."""
-        req = None
-        try:
-            req = self._begin(environ, drawn="pct")
-        except Exception as e:
-            self._internal_error("begin", e)
-        if req is None:
-            return self.app(environ, start_response)
         return self._call_profiled(req, environ, start_response)
 
     def _call_profiled(self, req, environ, start_response):
@@ -342,9 +332,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             if not cfg.blocking_ns:
                 return None
         eng = engine_for_thread(cfg)
-        if self._engine is not eng:
-            eng.middlewares.add(self)
-            self._engine = eng
+        self._join(eng)
         g = getcurrent()
         req = _OpenRequest()
         req.generation = _engine.fork_generation()
@@ -393,14 +381,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 req.sampled_by = None
                 self._internal_error("open profile", e)
         if req.gid is None:
-            req.gid = _registry.greenlet_id(eng.tracer_addr, g) or None
+            req.gid = _registry.greenlet_id(eng.tracer.addr, g) or None
         if req.gid is not None:
             eng.requests[req.gid] = req
         if req.profile is not None:
             eng.profile_requests[req.addr] = req
-        if cfg.blocking_ns and not eng.drain_started:
-            self._start_drain_loop(eng)
-        self._arm(eng.tracer.hooks_addr, eng.lingering)
         if self.observers:
             req.observed = []
             for obs in self.observers:
@@ -427,20 +412,26 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if eng is None or eng.blocking_ns > self.config.blocking_ns:
             # (also lowers a shared engine's threshold to this one's)
             eng = engine_for_thread(self.config)
-        if self._engine is not eng:
-            eng.middlewares.add(self)
-            self._engine = eng
-        if not eng.drain_started:
-            self._start_drain_loop(eng)
+        self._join(eng)
         g = getcurrent()
         if eng.lingering:
             self._stop_lingering(eng, g)
-        gid = _registry.greenlet_id(eng.tracer_addr, g)
+        gid = _registry.greenlet_id(eng.tracer.addr, g)
         if gid:
             _registry.note(eng.tracer.hooks_addr, gid,
                            environ.get("REQUEST_METHOD"),
                            environ.get("PATH_INFO"),
                            environ.get("HTTP_X_REQUEST_ID"))
+
+    def _join(self, eng):
+        """This thread's engine serves this middleware: registered with it,
+        its drain loop running (blocking detection on), and the C path
+        armed for its thread."""
+        if self._engine is not eng:
+            eng.middlewares.add(self)
+            self._engine = eng
+        if self.config.blocking_ns and not eng.drain_started:
+            self._start_drain_loop(eng)
         self._arm(eng.tracer.hooks_addr, eng.lingering)
 
     def _notify(self, observer, event, *args):
@@ -571,7 +562,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         rp = req.profile
         (raw_spans, raw_greenlets, longest, end_ns, total, top, complete,
          dropped_spans, dropped_calls, epoch0, wall0) = \
-            _registry.read_profile(req.addr, eng.tracer_addr, req.start_ns,
+            _registry.read_profile(req.addr, eng.tracer.addr, req.start_ns,
                                    end_ns, 8)
         stacks = None
         reg_names = _registry.names
