@@ -231,23 +231,58 @@ typedef struct {
     int enabled;             /* 0: a plain pass-through */
     int slow_only;           /* inspector / observers: every request slow */
     int blocking;            /* unsampled requests are noted */
+    /* Sampled requests (_sampled.c): */
+    int calls;               /* calls=True: Python begins them */
+    int linger;              /* linger > 0: the finisher finalizes */
+    int max_open, open;      /* sampled profiles open at once: cap, count */
+    size_t max_spans;
+    PyTypeObject *profile_type;   /* _lowlevel.RequestRawProfile */
     /* Armed for one thread's engine (set by Python's _arm): */
     gqp_py_thread *armed_st;
     uint64_t armed_gen;
-    PyObject *lingering;     /* that engine's dict of lingering requests */
+    long armed_fork_gen;     /* engine.fork_generation() then */
+    PyObject *armed_eng;     /* the engine; its containers: */
+    PyObject *lingering, *requests, *profile_requests, *pending;
 } gqp_mw;
+
+/* _sampled.c */
+static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
+                              PyObject *environ, PyObject *start_response);
+static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs);
+static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused);
+static PyObject *mw_open_release(gqp_mw *self, PyObject *unused);
+static PyObject *mw_get_open(gqp_mw *self, void *closure);
+static int mw_set_open(gqp_mw *self, PyObject *value, void *closure);
+static int gqp_py_sampled_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests,
     *str_internal_error, *str_begin, *str_method_key, *str_path_key,
-    *str_rid_key;
+    *str_rid_key, *str_lingering, *str_requests_attr, *str_profile_requests,
+    *str_pending;
 
 static int mw_traverse(gqp_mw *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->app);
     Py_VISIT(self->stats);
     Py_VISIT(self->rng);
+    Py_VISIT(self->profile_type);
+    Py_VISIT(self->armed_eng);
     Py_VISIT(self->lingering);
+    Py_VISIT(self->requests);
+    Py_VISIT(self->profile_requests);
+    Py_VISIT(self->pending);
     return 0;
+}
+
+static void mw_unarm(gqp_mw *self)
+{
+    self->armed_st = NULL;
+    Py_CLEAR(self->armed_eng);
+    Py_CLEAR(self->lingering);
+    Py_CLEAR(self->requests);
+    Py_CLEAR(self->profile_requests);
+    Py_CLEAR(self->pending);
 }
 
 static int mw_clear(gqp_mw *self)
@@ -256,8 +291,8 @@ static int mw_clear(gqp_mw *self)
     Py_CLEAR(self->stats);
     Py_CLEAR(self->rng);
     Py_CLEAR(self->trigger_key);
-    Py_CLEAR(self->lingering);
-    self->armed_st = NULL;
+    Py_CLEAR(self->profile_type);
+    mw_unarm(self);
     return 0;
 }
 
@@ -305,7 +340,7 @@ static gqp_py_thread *armed(gqp_mw *self)
 {
     gqp_py_thread *st = gqp__tls;
     if (!st || st != self->armed_st || st->gen != self->armed_gen ||
-        !st->active || !st->tracer || !self->lingering) {
+        !st->active || !st->tracer || !self->armed_eng) {
         return NULL;
     }
     if (PyDict_GET_SIZE(self->lingering) != 0) {
@@ -397,10 +432,8 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     count_request(self);
     if (sampled) {
-        /* _call_slow(environ, start_response, drawn="pct") */
-        PyObject *args[] = {(PyObject *)self, environ, start_response,
-                            str_pct};
-        return PyObject_VectorcallMethod(str_call_slow, args, 4, NULL);
+        return sampled_call(self, st ? st : armed(self), environ,
+                            start_response);
     }
     if (st) {
         uint64_t gid = 0;
@@ -415,12 +448,13 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     return call2(self->app, environ, start_response);
 }
 
-/* _fast_setup(pct, rng, trigger_key, blocking, slow_only, stats) */
+/* _fast_setup(pct, rng, trigger_key, blocking, slow_only, stats, calls,
+ *             linger, max_open, max_spans, profile_type) */
 static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
                                Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "_fast_setup takes 6 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "_fast_setup takes 11 arguments");
         return NULL;
     }
     double pct = PyFloat_AsDouble(args[0]);
@@ -431,6 +465,16 @@ static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
         PyErr_SetString(PyExc_TypeError, "trigger_key must be a str or None");
         return NULL;
     }
+    long max_open = PyLong_AsLong(args[8]);
+    Py_ssize_t max_spans = PyLong_AsSsize_t(args[9]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (max_open < 1 || max_open > INT_MAX || max_spans < 1 ||
+        !PyType_Check(args[10])) {
+        PyErr_SetString(PyExc_ValueError, "_fast_setup: bad limits or type");
+        return NULL;
+    }
     self->pct = pct;
     Py_XSETREF(self->rng, args[1] == Py_None ? NULL : Py_NewRef(args[1]));
     Py_XSETREF(self->trigger_key,
@@ -438,33 +482,64 @@ static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
     self->blocking = PyObject_IsTrue(args[3]);
     self->slow_only = PyObject_IsTrue(args[4]);
     Py_XSETREF(self->stats, Py_NewRef(args[5]));
+    self->calls = PyObject_IsTrue(args[6]);
+    self->linger = PyObject_IsTrue(args[7]);
+    self->max_open = (int)max_open;
+    self->max_spans = (size_t)max_spans;
+    Py_XSETREF(self->profile_type, (PyTypeObject *)Py_NewRef(args[10]));
     Py_RETURN_NONE;
 }
 
-/* _arm(hooks_address, lingering): unsampled requests of the calling thread
- * take the fast path from now on (the hooks at hooks_address must be this
- * thread's, installed by the engine that owns lingering). */
+/* _arm(hooks_address, engine, fork_generation): this thread's requests
+ * take the C path from now on (the hooks at hooks_address must be this
+ * thread's, installed by that engine). */
 static PyObject *mw_arm(gqp_mw *self, PyObject *const *args,
                         Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "_arm takes 2 arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_arm takes 3 arguments");
         return NULL;
     }
     gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
+    long fork_gen = PyLong_AsLong(args[2]);
     if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (!PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "_arm wants a dict");
         return NULL;
     }
     if (!st || st != gqp__tls || !st->active) {
         Py_RETURN_FALSE;   /* not this thread's hooks: stay slow */
     }
+    if (self->armed_st == st && self->armed_gen == st->gen &&
+        self->armed_eng == args[1]) {
+        Py_RETURN_TRUE;    /* (already: the common case) */
+    }
+    PyObject *eng = args[1];
+    PyObject *c[4] = {NULL, NULL, NULL, NULL};
+    PyObject *names[4] = {str_lingering, str_requests_attr,
+                          str_profile_requests, str_pending};
+    for (int i = 0; i < 4; i++) {
+        c[i] = PyObject_GetAttr(eng, names[i]);
+        if (!c[i] || (i < 3 ? !PyDict_CheckExact(c[i])
+                            : !PyList_CheckExact(c[i]))) {
+            for (int j = 0; j <= i; j++) {
+                Py_XDECREF(c[j]);
+            }
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError,
+                                "_arm: the engine's containers are not "
+                                "dicts and a list");
+            }
+            return NULL;
+        }
+    }
+    mw_unarm(self);
     self->armed_st = st;
     self->armed_gen = st->gen;
-    Py_XSETREF(self->lingering, Py_NewRef(args[1]));
+    self->armed_fork_gen = fork_gen;
+    self->armed_eng = Py_NewRef(eng);
+    self->lingering = c[0];
+    self->requests = c[1];
+    self->profile_requests = c[2];
+    self->pending = c[3];
     Py_RETURN_TRUE;
 }
 
@@ -478,8 +553,7 @@ static PyObject *mw_is_armed(gqp_mw *self, PyObject *unused)
 static PyObject *mw_disarm(gqp_mw *self, PyObject *unused)
 {
     (void)unused;
-    self->armed_st = NULL;
-    Py_CLEAR(self->lingering);
+    mw_unarm(self);
     Py_RETURN_NONE;
 }
 
@@ -529,6 +603,8 @@ static PyGetSetDef mw_getset[] = {
      "The wrapped WSGI application.", NULL},
     {"enabled", (getter)mw_get_enabled, (setter)mw_set_enabled,
      "False: a plain pass-through (GREQPROF_ENABLED=0).", NULL},
+    {"_open", (getter)mw_get_open, (setter)mw_set_open,
+     "Sampled profiles open now (internal).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -541,6 +617,12 @@ static PyMethodDef mw_methods[] = {
      "Sends every request through Python again (internal)."},
     {"_is_armed", (PyCFunction)mw_is_armed, METH_NOARGS,
      "True when the calling thread takes the C path (internal)."},
+    {"_call_profiled", (PyCFunction)(void (*)(void))mw_call_profiled,
+     METH_FASTCALL, "Runs the app for an open request (internal)."},
+    {"_open_acquire", (PyCFunction)mw_open_acquire, METH_NOARGS,
+     "Counts one more open profile if max_open allows (internal)."},
+    {"_open_release", (PyCFunction)mw_open_release, METH_NOARGS,
+     "Counts one open profile fewer (internal)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -568,6 +650,8 @@ static int gqp_py_fast_init(PyObject *reg)
         {&str_requests, "requests"}, {&str_internal_error, "_internal_error"},
         {&str_begin, "begin"}, {&str_method_key, "REQUEST_METHOD"},
         {&str_path_key, "PATH_INFO"}, {&str_rid_key, "HTTP_X_REQUEST_ID"},
+        {&str_lingering, "lingering"}, {&str_requests_attr, "requests"},
+        {&str_profile_requests, "profile_requests"}, {&str_pending, "pending"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s && !(*strs[i].s = PyUnicode_InternFromString(strs[i].v))) {
@@ -577,6 +661,9 @@ static int gqp_py_fast_init(PyObject *reg)
     if (PyType_Ready(&gqp_mw_type) < 0 ||
         PyObject_SetAttrString(reg, "MiddlewareBase",
                                (PyObject *)&gqp_mw_type) < 0) {
+        return -1;
+    }
+    if (gqp_py_sampled_init(reg) < 0) {
         return -1;
     }
     PyMethodDef *defs[] = {&note_def, &request_note_def};

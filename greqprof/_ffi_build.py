@@ -121,7 +121,6 @@ int gqp_py_thread_stop(gqp_py_thread *st);
 int gqp_py_calls(gqp_py_thread *st, int on);
 int gqp_py_reinstall_calls(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);
-gqp_profile *gqp_py_profile_new(size_t max_spans);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);
 int gqp_py_inject_alloc_failures(long after, long count);
 long gqp_py_alloc_failures_left(void);
@@ -136,12 +135,13 @@ ffi = FFI()
 ffi.cdef(CDEF)
 ffi.set_source(
     "greqprof._core",
-    '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n',
+    '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n#include "_sampled.c"\n',
     sources=[os.path.relpath(os.path.join(LIB, s), ROOT) for s in LIB_SOURCES],
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
     # _core.c only #includes these: rebuild when they change.
     depends=[os.path.relpath(p, ROOT) for p in (
         os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
+        os.path.join(HERE, "_sampled.c"),
         os.path.join(LIB, "include",
                                                      "greqprof.h"),
         os.path.join(LIB, "internal.h"))],

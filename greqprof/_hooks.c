@@ -36,6 +36,7 @@ typedef struct gqp_py_thread {
     PyObject *prev_prof_obj;
     uint64_t gen;              /* unique per start: _fastpath.c's arming */
     struct gqp_note *notes;    /* requests of live greenlets (_fastpath.c) */
+    int open_profiles;         /* sampled profiles open (_sampled.c) */
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -983,6 +984,30 @@ static void gqp_py_thread_free(gqp_py_thread *st)
     PyGILState_Release(gs);
 }
 
+/* Attaches greenlet g of st's thread to profile p (NULL: detach) and names
+ * it there; a span the attach ends long is reported.  The greenlet's id
+ * (0 if the tracer never saw it), or a negative GQP_E* code (GIL held). */
+static int64_t attach_greenlet(gqp_py_thread *st, PyObject *g, gqp_profile *p)
+{
+    if (!st->active || !st->tracer) {
+        return GQP_ESTATE;
+    }
+    int rc = gqp_tracer_attach(st->tracer, (uint64_t)(uintptr_t)g, p);
+    if (rc < 0) {
+        return rc;
+    }
+    if (rc & GQP_EV_LONG_SPAN) {
+        on_long_span(st, g, 0);
+    }
+    uint64_t id = 0;
+    gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
+    if (p && id) {
+        name_in_profile(st, g, id, p);
+    }
+    PyErr_Clear();
+    return (int64_t)(id & INT64_MAX);
+}
+
 /* _registry.attach(hooks, greenlet, profile): attaches a greenlet of the
  * hooks' thread to profile p and names it there (profile 0: detach).  A
  * CPython call, with the GIL held: no cffi call, no GIL round trip.  hooks
@@ -1001,27 +1026,9 @@ static PyObject *attach_fast(PyObject *self, PyObject *const *args,
     if (PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *g = args[1];
-    int rc = GQP_EINVAL;
-    if (st) {
-        rc = GQP_ESTATE;
-    }
-    if (st && st->active && st->tracer) {
-        rc = gqp_tracer_attach(st->tracer, (uint64_t)(uintptr_t)g, p);
-        if (rc > 0 && (rc & GQP_EV_LONG_SPAN)) {
-            on_long_span(st, g, 0);
-        }
-        if (rc >= 0) {
-            uint64_t id = 0;
-            gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
-            if (p && id) {
-                name_in_profile(st, g, id, p);
-            }
-            PyErr_Clear();
-            return PyLong_FromUnsignedLongLong(id);
-        }
-    }
-    return PyLong_FromLong(rc);
+    int64_t rc = st ? attach_greenlet(st, args[1], p) : GQP_EINVAL;
+    return rc >= 0 ? PyLong_FromUnsignedLongLong((uint64_t)rc)
+                   : PyLong_FromLongLong(rc);
 }
 
 static PyMethodDef attach_def = {

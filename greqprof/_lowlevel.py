@@ -81,18 +81,6 @@ class RawProfile:
             self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
                       "max_greenlets")
 
-    @classmethod
-    def for_request(cls, max_spans):
-        """A profile for one request, made in one C call (the sampled
-        request path); ``addr`` is its address for _registry functions."""
-        ptr = lib.gqp_py_profile_new(max_spans)
-        if ptr == ffi.NULL:  # (the only way gqp_profile_new can fail)
-            _check(lib.GQP_ENOMEM, "gqp_profile_new")
-        self = cls.__new__(cls)
-        self.ptr = ffi.gc(ptr, lib.gqp_profile_free)
-        self.addr = int(ffi.cast("uintptr_t", ptr))
-        return self
-
     @property
     def epoch_origin(self):
         return lib.gqp_profile_epoch_origin(self.ptr)
@@ -178,6 +166,25 @@ class RawProfile:
     @property
     def greenlets_dropped(self):
         return lib.gqp_profile_greenlets_dropped(self.ptr)
+
+
+class RequestRawProfile(_registry.ProfileRef, RawProfile):
+    """One request's profile: owned by C (_sampled.c's ProfileRef, which
+    the C request path makes without cffi), read like a RawProfile."""
+
+    __slots__ = ()
+
+    @classmethod
+    def for_request(cls, max_spans):
+        try:
+            return _registry.new_profile(cls, max_spans)
+        except MemoryError:  # (the only way gqp_profile_new can fail)
+            _check(lib.GQP_ENOMEM, "gqp_profile_new")
+
+    @property
+    def ptr(self):
+        # (self keeps the profile alive while the caller uses the pointer)
+        return ffi.cast("gqp_profile *", self.addr)
 
 
 class RawTracer:

@@ -14,7 +14,7 @@ import os
 import threading
 import weakref
 
-from . import _lowlevel
+from . import _lowlevel, _registry
 from ._lowlevel import RawTracer, RealThreadLocal, real_get_ident
 
 _engines = {}          # thread ident -> Engine
@@ -55,6 +55,9 @@ CPU_WINDOW_PROFILING = 100000
 #: time then, and reading the clock (a system call) every 100 us would cost
 #: a few per request
 CPU_WINDOW_IDLE = 10000000
+# (the hooks count open profiles per thread: the C request path opens them
+# too, _sampled.c)
+_registry.cpu_windows(CPU_WINDOW_PROFILING, CPU_WINDOW_IDLE)
 
 
 class Engine:
@@ -76,7 +79,6 @@ class Engine:
         # the middlewares served by this thread (they share the engine)
         self.middlewares = weakref.WeakSet()
         self.calls_users = 0
-        self.open_profiles = 0
         self.thread_ident = real_get_ident()
         self.pid = os.getpid()
         # greenlet id -> (method, path, request_id) of open requests
@@ -98,19 +100,14 @@ class Engine:
         self.abandoned = False
 
     def profile_opened(self):
-        self.open_profiles += 1
-        if self.open_profiles == 1:
-            # The next event re-reads the clock (the last reading is older
-            # than the new window), so this profile's first span is exact.
-            self.tracer.set(_lowlevel.lib.GQP_TRACER_CPU_WINDOW_NS,
-                            CPU_WINDOW_PROFILING, "cpu window")
+        # The first open profile narrows the CPU window: the next event
+        # re-reads the clock (the last reading is older than the new
+        # window), so this profile's first span is exact.
+        _registry.profile_window(self.tracer.hooks_addr, 1)
 
     def profile_closed(self):
-        if self.open_profiles > 0:
-            self.open_profiles -= 1
-            if self.open_profiles == 0 and not self.abandoned:
-                self.tracer.set(_lowlevel.lib.GQP_TRACER_CPU_WINDOW_NS,
-                                CPU_WINDOW_IDLE, "cpu window")
+        if not self.abandoned:
+            _registry.profile_window(self.tracer.hooks_addr, -1)
 
     def acquire_calls(self):
         self.calls_users += 1

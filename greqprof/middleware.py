@@ -7,11 +7,10 @@ import math
 import os
 import random
 import socket
-import threading
 import weakref
 
 from . import _collect, _lowlevel, _registry
-from ._lowlevel import NS, RawProfile
+from ._lowlevel import NS, RequestRawProfile
 from . import engine as _engine
 from .engine import engine_for_thread
 from . import config
@@ -86,11 +85,10 @@ class _Config:
 _INSPECTOR = object()
 
 
-class _OpenRequest:
-    __slots__ = ("greenlet", "gid", "profile", "addr", "method", "path",
-                 "status", "start_ns", "end_ns", "request_id", "sampled_by",
-                 "error", "done", "blocking", "observed", "generation",
-                 "__weakref__")
+#: an open request (C, _sampled.c): greenlet, gid, profile, addr, method,
+#: path, status, start_ns, end_ns, request_id, sampled_by, error, done,
+#: blocking, observed, generation, engine
+_OpenRequest = _registry.Request
 
 
 class ProfilingMiddleware(_registry.MiddlewareBase):
@@ -201,10 +199,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             else:
                 self._trigger_key = None
                 self._trigger_secret = None
-            self._open = 0
             self._engine = None   # the last engine this middleware joined
             _middlewares.add(self)
-            self._lock = threading.Lock()
             self._errors_logged = set()
             self.pid = os.getpid()
             self.hostname = socket.gethostname()
@@ -217,12 +213,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
                 ui_keep=ui_keep)
             self.inspector = self._outputs.ui if self._outputs else None
-            # The C part (_fastpath.c) runs unsampled requests by itself;
-            # the rest comes back to _call_slow.
-            self._fast_setup(self.config.pct, self._random,
-                             self._trigger_key, bool(self.config.blocking_ns),
+            # The C part runs unsampled requests (_fastpath.c) and the
+            # common sampled ones (_sampled.c) by itself; the rest comes
+            # back to _call_slow.
+            cfg = self.config
+            self._fast_setup(cfg.pct, self._random, self._trigger_key,
+                             bool(cfg.blocking_ns),
                              self.inspector is not None or bool(self.observers),
-                             self.stats)
+                             self.stats, cfg.calls, self.linger > 0,
+                             cfg.max_open, cfg.max_spans, RequestRawProfile)
 
         try:
             configure()
@@ -272,33 +271,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             return self.inspector(environ, start_response)  # not profiled
         return self._call_profiled(req, environ, start_response)
 
-    def _call_profiled(self, req, environ, start_response):
-        def _start_response(status, headers, exc_info=None):
-            req.status = status
-            if exc_info is not None:
-                return start_response(status, headers, exc_info)
-            return start_response(status, headers)
-
-        try:
-            result = self.app(environ, _start_response)
-        except BaseException as e:
-            req.error = "%s: %s" % (type(e).__name__, e)
-            self._finish(req)
-            raise
-        if isinstance(result, (list, tuple)):
-            # Keep len(): servers use it for Content-Length.
-            return _ClosingSequence(result, self, req)
-        try:
-            return _ClosingIterator(result, self, req)
-        except BaseException as e:  # iter() of the app's result raised
-            req.error = "%s: %s" % (type(e).__name__, e)
-            try:
-                close = getattr(result, "close", None)
-                if close is not None:
-                    close()
-            finally:
-                self._finish(req)
-            raise
+    # _call_profiled(req, environ, start_response) is MiddlewareBase's, in
+    # C (_sampled.c): the app runs with a C start_response and its body is
+    # passed through a C wrapper whose close() finishes the request.
 
     # -- per request ----------------------------------------------------------
     def _sample(self, environ):
@@ -349,20 +324,17 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req.blocking = []
         req.observed = None
         req.sampled_by = sampled_by
+        req.engine = eng
         if eng.lingering:
             self._stop_lingering(eng, g)
-        if sampled_by is not None:
-            with self._lock:
-                if self._open >= cfg.max_open:
-                    self.stats["skipped_full"] += 1
-                    sampled_by = req.sampled_by = None
-                else:
-                    self._open += 1
+        if sampled_by is not None and not self._open_acquire():
+            self.stats["skipped_full"] += 1
+            sampled_by = req.sampled_by = None
         req.start_ns = _lowlevel.wall_ns()
         req.gid = None
         if sampled_by is not None:
             try:
-                rp = RawProfile.for_request(cfg.max_spans)
+                rp = RequestRawProfile.for_request(cfg.max_spans)
                 req.gid = eng.tracer.attach_id(g, rp.addr)
                 req.profile = rp
                 req.addr = rp.addr
@@ -375,8 +347,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                     raise
                 self.stats["sampled"] += 1
             except Exception as e:
-                with self._lock:
-                    self._open -= 1
+                self._open_release()
                 req.profile = req.addr = None
                 req.sampled_by = None
                 self._internal_error("open profile", e)
@@ -432,7 +403,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._engine = eng
         if self.config.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
-        self._arm(eng.tracer.hooks_addr, eng.lingering)
+        self._arm(eng.tracer.hooks_addr, eng, _engine.fork_generation())
 
     def _notify(self, observer, event, *args):
         fn = getattr(observer, event, None)
@@ -499,9 +470,12 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         they have made their first switch, and joined, by then."""
         eng.pending.append((self, req))
         if not eng.finisher_woken:
-            eng.finisher_woken = True
-            import gevent
-            gevent.get_hub().loop.run_callback(self._wake_finisher, eng)
+            self._wake_finisher_soon(eng)
+
+    def _wake_finisher_soon(self, eng):
+        eng.finisher_woken = True
+        import gevent
+        gevent.get_hub().loop.run_callback(self._wake_finisher, eng)
 
     def _wake_finisher(self, eng):
         # Runs in the hub: the finisher is spawned from here so it belongs
@@ -530,8 +504,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                     eng.tracer.set_spawn_profile(req.greenlet, None)
             req.profile.close()
             eng.profile_closed()
-            with self._lock:
-                self._open -= 1
+            self._open_release()
             if self.config.calls:
                 eng.release_calls()
             # Drain while the request is still registered, so its blocking
@@ -779,7 +752,7 @@ def _finisher_loop(eng):
                 waiting.append((mw, req))
             else:
                 mw._finalize(eng, req)
-        eng.pending = waiting
+        eng.pending[:] = waiting   # (in place: the C path appends to it)
         if waiting:
             gevent.sleep(0.005)
             continue
@@ -803,58 +776,3 @@ class _UnsampledRequest:
         self.request_id = rid or None
         self.profile = None
         self.blocking = []
-
-
-class _ClosingIterator:
-    """Passes the app's body through unbuffered and finishes the profile
-    when the server closes it; the app's close() is always called."""
-
-    __slots__ = ("_it", "_result", "_mw", "_req")
-
-    def __init__(self, result, mw, req):
-        self._result = result
-        self._it = iter(result)
-        self._mw = mw
-        self._req = req
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self._it)
-        except StopIteration:
-            raise
-        except BaseException as e:
-            if self._req.error is None:
-                self._req.error = "%s: %s" % (type(e).__name__, e)
-            raise
-
-    def close(self):
-        try:
-            close = getattr(self._result, "close", None)
-            if close is not None:
-                close()
-        finally:
-            self._mw._finish(self._req)
-
-
-class _ClosingSequence:
-    """A list/tuple body: re-iterable and sized like the app's, so the
-    server can compute Content-Length; finishes the profile on close()."""
-
-    __slots__ = ("_result", "_mw", "_req")
-
-    def __init__(self, result, mw, req):
-        self._result = result
-        self._mw = mw
-        self._req = req
-
-    def __len__(self):
-        return len(self._result)
-
-    def __iter__(self):
-        return iter(self._result)
-
-    def close(self):
-        self._mw._finish(self._req)

@@ -1,0 +1,939 @@
+/* _sampled.c -- a sampled request's path, in C.  #included into
+ * greqprof._core after _fastpath.c (it extends the middleware's base type).
+ *
+ * A sampled request used to cost about 90 us of server CPU in Python
+ * around the app: an object with 16 attributes, a closure for
+ * start_response, a wrapper object for the body, a profile object made
+ * through cffi (each cffi call releases the GIL, which the watchdog thread
+ * may take), and a dozen method calls to begin and finish.  The types and
+ * functions here do the same work with no Python frame:
+ *
+ *   Request        the open request (what _OpenRequest was); Python code
+ *                  reads and writes the same attributes;
+ *   ProfileRef     owns the request's gqp_profile (RequestRawProfile in
+ *                  _lowlevel.py adds the cffi readers on top);
+ *   StartResponse  records the status, then calls the server's;
+ *   ClosingIterator / ClosingSequence
+ *                  the body passed through; close() finishes the request.
+ *
+ * The common case (the thread's engine armed, no observers, calls off)
+ * begins and finishes here.  Anything else goes through the Python methods
+ * (_call_slow, _finish, _finalize), which use the same objects, so a
+ * request may begin in Python and finish in C or the other way round.
+ * Profiles are still finalized (read, built, delivered) in Python, in
+ * batches, by the engine's finisher greenlet. */
+
+#include <structmember.h>
+
+/* ---- CPU clock windows (engine.CPU_WINDOW_*) ---------------------------- */
+
+static int64_t cpu_window_profiling = 100000;
+static int64_t cpu_window_idle = 10000000;
+
+/* One more (delta 1) or one fewer (-1) sampled profile open in st's
+ * thread: the first narrows the CPU clock window, the last widens it. */
+static void profile_window(gqp_py_thread *st, int delta)
+{
+    if (!st->tracer) {
+        return;
+    }
+    if (delta > 0) {
+        if (st->open_profiles++ == 0) {
+            gqp_tracer_set(st->tracer, GQP_TRACER_CPU_WINDOW_NS,
+                           cpu_window_profiling);
+        }
+    } else if (st->open_profiles > 0 && --st->open_profiles == 0) {
+        gqp_tracer_set(st->tracer, GQP_TRACER_CPU_WINDOW_NS,
+                       cpu_window_idle);
+    }
+}
+
+/* _registry.profile_window(hooks, delta); hooks 0 (uninstalled): nothing */
+static PyObject *profile_window_py(PyObject *self, PyObject *const *args,
+                                   Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "profile_window takes 2 arguments");
+        return NULL;
+    }
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
+    long delta = PyLong_AsLong(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (st) {
+        profile_window(st, delta > 0 ? 1 : -1);
+    }
+    Py_RETURN_NONE;
+}
+
+/* _registry.cpu_windows(profiling_ns, idle_ns) */
+static PyObject *cpu_windows_py(PyObject *self, PyObject *const *args,
+                                Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "cpu_windows takes 2 arguments");
+        return NULL;
+    }
+    long long busy = PyLong_AsLongLong(args[0]);
+    long long idle = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (busy <= 0 || idle <= 0) {
+        PyErr_SetString(PyExc_ValueError, "CPU windows must be positive");
+        return NULL;
+    }
+    cpu_window_profiling = busy;
+    cpu_window_idle = idle;
+    Py_RETURN_NONE;
+}
+
+/* ---- ProfileRef --------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    gqp_profile *p;
+} gqp_profref;
+
+static void profref_dealloc(gqp_profref *self)
+{
+    if (self->p) {
+        gqp_profile_free(self->p);
+        self->p = NULL;
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *profref_close(gqp_profref *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->p && !gqp_profile_is_closed(self->p)) {
+        int rc = gqp_profile_close(self->p);
+        if (rc < 0) {
+            PyErr_Format(PyExc_RuntimeError, "gqp_profile_close failed: %s",
+                         gqp_strerror(rc));
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *profref_addr(gqp_profref *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromVoidPtr(self->p);
+}
+
+static PyObject *profref_closed(gqp_profref *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(!self->p || gqp_profile_is_closed(self->p));
+}
+
+static PyObject *profref_attached(gqp_profref *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSize_t(self->p ? gqp_profile_attached(self->p) : 0);
+}
+
+static PyGetSetDef profref_getset[] = {
+    {"addr", (getter)profref_addr, NULL,
+     "The profile's address, for _registry functions.", NULL},
+    {"closed", (getter)profref_closed, NULL, "True once closed.", NULL},
+    {"attached", (getter)profref_attached, NULL,
+     "Live greenlets whose spans go to this profile.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef profref_methods[] = {
+    {"close", (PyCFunction)profref_close, METH_NOARGS,
+     "Closes the profile: nothing more is recorded into it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject gqp_profref_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "greqprof._core.ProfileRef",
+    .tp_basicsize = sizeof(gqp_profref),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Owns one request's gqp_profile (internal).",
+    .tp_dealloc = (destructor)profref_dealloc,
+    .tp_methods = profref_methods,
+    .tp_getset = profref_getset,
+};
+
+/* A new profile for one request, as an instance of type (ProfileRef or a
+ * subclass); NULL with an exception set. */
+static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
+{
+    if (!PyType_IsSubtype(type, &gqp_profref_type)) {
+        PyErr_SetString(PyExc_TypeError, "not a ProfileRef type");
+        return NULL;
+    }
+    gqp_profref *self = (gqp_profref *)type->tp_alloc(type, 0);
+    if (!self) {
+        return NULL;
+    }
+    if (!(self->p = gqp_py_profile_new(max_spans))) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+/* _registry.new_profile(type, max_spans) */
+static PyObject *new_profile_py(PyObject *self, PyObject *const *args,
+                                Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "new_profile takes a type and max_spans");
+        return NULL;
+    }
+    Py_ssize_t max_spans = PyLong_AsSsize_t(args[1]);
+    if (max_spans < 1) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "max_spans must be >= 1");
+        }
+        return NULL;
+    }
+    return profref_make((PyTypeObject *)args[0], (size_t)max_spans);
+}
+
+/* ---- Request ------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *greenlet, *gid, *profile, *addr, *method, *path, *status,
+        *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
+        *blocking, *observed, *generation, *engine;
+    PyObject *weakrefs;
+} gqp_req;
+
+#define REQ_FIELD(name, doc) \
+    {#name, T_OBJECT, offsetof(gqp_req, name), 0, doc}
+
+static PyMemberDef req_members[] = {
+    REQ_FIELD(greenlet, "The greenlet serving the request (None once done)."),
+    REQ_FIELD(gid, "Its tracer id."),
+    REQ_FIELD(profile, "The ProfileRef of a sampled request, else None."),
+    REQ_FIELD(addr, "The profile's address."),
+    REQ_FIELD(method, "REQUEST_METHOD (cut to 32 characters)."),
+    REQ_FIELD(path, "PATH_INFO (cut to MAX_PATH characters)."),
+    REQ_FIELD(status, "The status given to start_response."),
+    REQ_FIELD(start_ns, "Wall clock at the start (ns)."),
+    REQ_FIELD(end_ns, "Wall clock at the end of the response (ns)."),
+    REQ_FIELD(request_id, "X-Request-ID, or None."),
+    REQ_FIELD(sampled_by, "'pct', 'trigger' or None."),
+    REQ_FIELD(error, "'Type: message' of what the app raised, or None."),
+    REQ_FIELD(done, "True once the response is done."),
+    REQ_FIELD(blocking, "Blocking events of the request."),
+    REQ_FIELD(observed, "Observers' state, or None."),
+    REQ_FIELD(generation, "Fork generation it began in."),
+    REQ_FIELD(engine, "The engine of the thread it began in."),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int req_traverse(gqp_req *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->greenlet);
+    Py_VISIT(self->gid);
+    Py_VISIT(self->profile);
+    Py_VISIT(self->addr);
+    Py_VISIT(self->method);
+    Py_VISIT(self->path);
+    Py_VISIT(self->status);
+    Py_VISIT(self->start_ns);
+    Py_VISIT(self->end_ns);
+    Py_VISIT(self->request_id);
+    Py_VISIT(self->sampled_by);
+    Py_VISIT(self->error);
+    Py_VISIT(self->done);
+    Py_VISIT(self->blocking);
+    Py_VISIT(self->observed);
+    Py_VISIT(self->generation);
+    Py_VISIT(self->engine);
+    return 0;
+}
+
+static int req_clear(gqp_req *self)
+{
+    Py_CLEAR(self->greenlet);
+    Py_CLEAR(self->gid);
+    Py_CLEAR(self->profile);
+    Py_CLEAR(self->addr);
+    Py_CLEAR(self->method);
+    Py_CLEAR(self->path);
+    Py_CLEAR(self->status);
+    Py_CLEAR(self->start_ns);
+    Py_CLEAR(self->end_ns);
+    Py_CLEAR(self->request_id);
+    Py_CLEAR(self->sampled_by);
+    Py_CLEAR(self->error);
+    Py_CLEAR(self->done);
+    Py_CLEAR(self->blocking);
+    Py_CLEAR(self->observed);
+    Py_CLEAR(self->generation);
+    Py_CLEAR(self->engine);
+    return 0;
+}
+
+static void req_dealloc(gqp_req *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs) {
+        PyObject_ClearWeakRefs((PyObject *)self);
+    }
+    req_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject gqp_req_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "greqprof._core.Request",
+    .tp_basicsize = sizeof(gqp_req),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A request the middleware follows (internal).",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)req_dealloc,
+    .tp_traverse = (traverseproc)req_traverse,
+    .tp_clear = (inquiry)req_clear,
+    .tp_members = req_members,
+    .tp_weaklistoffset = offsetof(gqp_req, weakrefs),
+};
+
+/* req.error = "Type: message" of the exception being raised, unless
+ * keep_first and an error is already recorded.  The exception stays set. */
+static void req_note_error(gqp_req *req, int keep_first)
+{
+    if (keep_first && req->error && req->error != Py_None) {
+        return;
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *name = value ? PyType_GetName(Py_TYPE(value)) : NULL;
+    PyObject *msg = name ? PyUnicode_FromFormat("%U: %S", name, value) : NULL;
+    Py_XDECREF(name);
+    if (msg) {
+        Py_XSETREF(req->error, msg);
+    }
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
+/* ---- finishing a request ------------------------------------------------ */
+
+static PyObject *str_finish, *str_finalize, *str_drain_blocking,
+    *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty, *str_close,
+    *str_finish_where;
+
+/* The armed thread state when req (which has a profile) can be finished
+ * here: begun by this thread's armed engine in this process, no observers
+ * (they see the end of the response: Python). */
+static gqp_py_thread *finish_here(gqp_mw *mw, gqp_req *req)
+{
+    gqp_py_thread *st = gqp__tls;
+    if (!st || st != mw->armed_st || st->gen != mw->armed_gen ||
+        !st->active || !st->tracer || mw->slow_only || !mw->armed_eng ||
+        req->engine != mw->armed_eng || !req->profile ||
+        !PyObject_TypeCheck(req->profile, &gqp_profref_type) ||
+        !req->greenlet || req->greenlet == Py_None || !req->generation ||
+        PyLong_AsLong(req->generation) != mw->armed_fork_gen) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return st;
+}
+
+/* The response of req is done (closed, or the app raised).  0, or -1 with
+ * an exception set (only if Python's _finish raised, which it does not
+ * mean to). */
+static int req_finish(gqp_mw *mw, gqp_req *req)
+{
+    if (req->done == Py_True) {
+        return 0;
+    }
+    gqp_py_thread *st = finish_here(mw, req);
+    if (!st) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw, str_finish,
+                                                (PyObject *)req);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    Py_XSETREF(req->done, Py_NewRef(Py_True));
+    PyObject *end = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
+    if (!end) {
+        return -1;
+    }
+    Py_XSETREF(req->end_ns, end);
+    /* Later spans of this greenlet (the next keep-alive request) are not
+     * this request's; greenlets it spawned still are. */
+    gqp_profile *p = ((gqp_profref *)req->profile)->p;
+    attach_greenlet(st, req->greenlet, NULL);
+    if (PyList_GET_SIZE(reg_long) > 0) {
+        /* Long spans to report while the request is still registered. */
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                str_drain_blocking,
+                                                mw->armed_eng);
+        if (!r) {
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    if (!mw->linger) {
+        PyObject *args[] = {(PyObject *)mw, mw->armed_eng, (PyObject *)req};
+        PyObject *r = PyObject_VectorcallMethod(str_finalize, args, 3, NULL);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    /* Wait (up to linger) for the greenlets it spawned: the engine's
+     * finisher greenlet finalizes it. */
+    uint64_t key = (uint64_t)(uintptr_t)req->greenlet;
+    gqp_tracer_set_spawn_profile(st->tracer, key, p);
+    PyObject *k = PyLong_FromVoidPtr(req->greenlet);
+    PyObject *item = k ? PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req)
+                       : NULL;
+    int rc = item && PyDict_SetItem(mw->lingering, k, (PyObject *)req) == 0 &&
+             PyList_Append(mw->pending, item) == 0 ? 0 : -1;
+    Py_XDECREF(k);
+    Py_XDECREF(item);
+    if (rc < 0) {
+        return -1;
+    }
+    PyObject *woken = PyObject_GetAttr(mw->armed_eng, str_finisher_woken);
+    int is_woken = woken ? PyObject_IsTrue(woken) : -1;
+    Py_XDECREF(woken);
+    if (is_woken < 0) {
+        return -1;
+    }
+    if (!is_woken) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                str_wake_finisher_soon,
+                                                mw->armed_eng);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    return 0;
+}
+
+/* req_finish for the body wrappers and the app-raised path: an error in
+ * greqprof never reaches the app (Python's _finish logs its own). */
+static void req_finish_quiet(gqp_mw *mw, gqp_req *req)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (req_finish(mw, req) < 0) {
+        PyObject *t2, *v2, *tb2;
+        PyErr_Fetch(&t2, &v2, &tb2);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        PyObject *r = v2 ? call_method2((PyObject *)mw, str_internal_error,
+                                        str_finish_where, v2) : NULL;
+        Py_XDECREF(r);
+        Py_XDECREF(t2);
+        Py_XDECREF(v2);
+        Py_XDECREF(tb2);
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+/* ---- StartResponse ------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    gqp_req *req;
+    PyObject *start_response;
+} gqp_startresp;
+
+static int startresp_traverse(gqp_startresp *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->req);
+    Py_VISIT(self->start_response);
+    return 0;
+}
+
+static int startresp_clear(gqp_startresp *self)
+{
+    Py_CLEAR(self->req);
+    Py_CLEAR(self->start_response);
+    return 0;
+}
+
+static void startresp_dealloc(gqp_startresp *self)
+{
+    PyObject_GC_UnTrack(self);
+    startresp_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* start_response(status, headers, exc_info=None): records the status and
+ * calls the server's with the same arguments (exc_info only when given). */
+static PyObject *startresp_call(gqp_startresp *self, PyObject *args,
+                                PyObject *kwargs)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *exc_info = n == 3 ? PyTuple_GET_ITEM(args, 2) : Py_None;
+    Py_ssize_t nkw = kwargs ? PyDict_GET_SIZE(kwargs) : 0;
+    if (nkw == 1 && n == 2) {
+        exc_info = PyDict_GetItemString(kwargs, "exc_info");
+    }
+    if (n < 2 || n > 3 || nkw > 1 || (nkw && n == 3) || !exc_info) {
+        PyErr_SetString(PyExc_TypeError,
+                        "start_response(status, headers, exc_info=None)");
+        return NULL;
+    }
+    if (self->req) {
+        Py_XSETREF(self->req->status, Py_NewRef(PyTuple_GET_ITEM(args, 0)));
+    }
+    PyObject *fwd[] = {PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1),
+                       exc_info};
+    return PyObject_Vectorcall(self->start_response, fwd,
+                               exc_info == Py_None ? 2 : 3, NULL);
+}
+
+static PyTypeObject gqp_startresp_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "greqprof._core.StartResponse",
+    .tp_basicsize = sizeof(gqp_startresp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The server's start_response, recording the status.",
+    .tp_dealloc = (destructor)startresp_dealloc,
+    .tp_traverse = (traverseproc)startresp_traverse,
+    .tp_clear = (inquiry)startresp_clear,
+    .tp_call = (ternaryfunc)startresp_call,
+};
+
+/* ---- the body: ClosingIterator, ClosingSequence ------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *result;   /* the app's iterable */
+    PyObject *it;       /* its iterator (ClosingIterator only) */
+    gqp_mw *mw;
+    gqp_req *req;
+} gqp_body;
+
+static int body_traverse(gqp_body *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->result);
+    Py_VISIT(self->it);
+    Py_VISIT(self->mw);
+    Py_VISIT(self->req);
+    return 0;
+}
+
+static int body_clear(gqp_body *self)
+{
+    Py_CLEAR(self->result);
+    Py_CLEAR(self->it);
+    Py_CLEAR(self->mw);
+    Py_CLEAR(self->req);
+    return 0;
+}
+
+static void body_dealloc(gqp_body *self)
+{
+    PyObject_GC_UnTrack(self);
+    body_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject gqp_iterbody_type;
+
+/* ClosingIterator.close(): the app's close() (if any), then the request
+ * finishes, even if that close() raised. */
+static PyObject *body_close(gqp_body *self, PyObject *unused)
+{
+    (void)unused;
+    int failed = 0;
+    if (Py_TYPE(self) == &gqp_iterbody_type && self->result) {
+        PyObject *close = PyObject_GetAttr(self->result, str_close);
+        if (!close && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();   /* getattr(result, "close", None) */
+        } else if (!close) {
+            failed = 1;
+        } else {
+            PyObject *r = PyObject_CallNoArgs(close);
+            Py_DECREF(close);
+            failed = r == NULL;
+            Py_XDECREF(r);
+        }
+    }
+    if (self->mw && self->req) {
+        req_finish_quiet(self->mw, self->req);
+    }
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *body_iternext(gqp_body *self)
+{
+    if (!self->it) {
+        PyErr_SetString(PyExc_TypeError, "not an iterator");
+        return NULL;
+    }
+    PyObject *item = PyIter_Next(self->it);
+    if (!item && PyErr_Occurred() && self->req) {
+        req_note_error(self->req, 1);
+    }
+    return item;
+}
+
+static PyObject *body_iter_self(PyObject *self)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *seq_iter(gqp_body *self)
+{
+    return PyObject_GetIter(self->result);
+}
+
+static Py_ssize_t seq_len(gqp_body *self)
+{
+    return PyObject_Size(self->result);
+}
+
+static PyMethodDef body_methods[] = {
+    {"close", (PyCFunction)body_close, METH_NOARGS,
+     "Closes the app's iterable and finishes the request's profile."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods seq_as_sequence = {
+    .sq_length = (lenfunc)seq_len,
+};
+
+static PyTypeObject gqp_iterbody_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "greqprof._core.ClosingIterator",
+    .tp_basicsize = sizeof(gqp_body),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The app's body, passed through unbuffered; close() "
+              "finishes the request's profile.",
+    .tp_dealloc = (destructor)body_dealloc,
+    .tp_traverse = (traverseproc)body_traverse,
+    .tp_clear = (inquiry)body_clear,
+    .tp_iter = body_iter_self,
+    .tp_iternext = (iternextfunc)body_iternext,
+    .tp_methods = body_methods,
+};
+
+/* A list or tuple body: sized like the app's (servers use len() for
+ * Content-Length) and re-iterable. */
+static PyTypeObject gqp_seqbody_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "greqprof._core.ClosingSequence",
+    .tp_basicsize = sizeof(gqp_body),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The app's list/tuple body; close() finishes the request's "
+              "profile.",
+    .tp_dealloc = (destructor)body_dealloc,
+    .tp_traverse = (traverseproc)body_traverse,
+    .tp_clear = (inquiry)body_clear,
+    .tp_iter = (getiterfunc)seq_iter,
+    .tp_as_sequence = &seq_as_sequence,
+    .tp_methods = body_methods,
+};
+
+static gqp_body *body_new(PyTypeObject *type, PyObject *result, gqp_mw *mw,
+                          gqp_req *req)
+{
+    gqp_body *b = PyObject_GC_New(gqp_body, type);
+    if (!b) {
+        return NULL;
+    }
+    b->result = Py_NewRef(result);
+    b->it = NULL;
+    b->mw = (gqp_mw *)Py_NewRef((PyObject *)mw);
+    b->req = (gqp_req *)Py_NewRef((PyObject *)req);
+    PyObject_GC_Track(b);
+    return b;
+}
+
+/* ---- running a profiled request ----------------------------------------- */
+
+/* Calls the app for req with the wrappers above; the request finishes when
+ * the server closes the body (or at once, if the app raised). */
+static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
+                              PyObject *start_response)
+{
+    gqp_startresp *sr = PyObject_GC_New(gqp_startresp, &gqp_startresp_type);
+    if (!sr) {
+        return NULL;
+    }
+    sr->req = (gqp_req *)Py_NewRef((PyObject *)req);
+    sr->start_response = Py_NewRef(start_response);
+    PyObject_GC_Track(sr);
+    PyObject *result = call2(mw->app, environ, (PyObject *)sr);
+    Py_DECREF(sr);
+    if (!result) {
+        req_note_error(req, 0);
+        req_finish_quiet(mw, req);
+        return NULL;
+    }
+    gqp_body *b;
+    if (PyList_Check(result) || PyTuple_Check(result)) {
+        b = body_new(&gqp_seqbody_type, result, mw, req);
+    } else {
+        b = body_new(&gqp_iterbody_type, result, mw, req);
+        if (b && !(b->it = PyObject_GetIter(result))) {
+            /* iter() of the app's result raised: its close() still runs */
+            req_note_error(req, 0);
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            Py_CLEAR(b->it);
+            PyObject *r = body_close(b, NULL);
+            Py_XDECREF(r);
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+            Py_CLEAR(b);
+        }
+    }
+    Py_DECREF(result);
+    return (PyObject *)b;
+}
+
+/* MiddlewareBase._call_profiled(req, environ, start_response) */
+static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyObject_TypeCheck(args[0], &gqp_req_type)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_call_profiled(request, environ, start_response)");
+        return NULL;
+    }
+    return run_profiled(self, (gqp_req *)args[0], args[1], args[2]);
+}
+
+/* str(environ[key])[:max], "" when missing; NULL with an exception set. */
+static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
+{
+    PyObject *v = PyDict_GetItemWithError(environ, key);
+    if (!v) {
+        return PyErr_Occurred() ? NULL : Py_NewRef(str_empty);
+    }
+    PyObject *s = PyUnicode_CheckExact(v) ? Py_NewRef(v) : PyObject_Str(v);
+    if (s && PyUnicode_GET_LENGTH(s) > max) {
+        Py_SETREF(s, PyUnicode_Substring(s, 0, max));
+    }
+    return s;
+}
+
+/* stats[key] += 1 (the dict Python code also updates). */
+static void count_stat(gqp_mw *self, PyObject *key)
+{
+    if (!self->stats || !PyDict_CheckExact(self->stats)) {
+        return;
+    }
+    PyObject *old = PyDict_GetItemWithError(self->stats, key);
+    long long n = old && PyLong_CheckExact(old) ? PyLong_AsLongLong(old) : -1;
+    PyObject *next = n >= 0 ? PyLong_FromLongLong(n + 1) : NULL;
+    if (next) {
+        PyDict_SetItem(self->stats, key, next);
+        Py_DECREF(next);
+    }
+    PyErr_Clear();
+}
+
+/* A new Request for the running greenlet of st, sampled into a fresh
+ * profile; NULL (and no exception) when this case is not for C: the
+ * caller hands the request to Python, which also reports failures. */
+static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
+                              PyObject *environ)
+{
+    if (self->calls || self->slow_only || !self->armed_eng ||
+        !self->profile_type || self->open >= self->max_open) {
+        return NULL;
+    }
+    uint64_t key = 0;
+    if (gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK || !key) {
+        return NULL;
+    }
+    PyObject *g = (PyObject *)(uintptr_t)key;   /* running, so alive */
+    gqp_req *req = PyObject_GC_New(gqp_req, &gqp_req_type);
+    if (!req) {
+        PyErr_Clear();
+        return NULL;
+    }
+    memset((char *)req + sizeof(PyObject), 0,
+           sizeof(gqp_req) - sizeof(PyObject));
+    PyObject_GC_Track(req);
+    PyObject *rid = PyDict_GetItemWithError(environ, str_rid_key);
+    if (rid && PyObject_IsTrue(rid) == 1) {
+        req->request_id = PyUnicode_CheckExact(rid) ? Py_NewRef(rid)
+                                                    : PyObject_Str(rid);
+        if (req->request_id &&
+            PyUnicode_GET_LENGTH(req->request_id) > GQP_NOTE_MAX_RID) {
+            Py_SETREF(req->request_id,
+                      PyUnicode_Substring(req->request_id, 0,
+                                          GQP_NOTE_MAX_RID));
+        }
+    } else {
+        req->request_id = Py_NewRef(Py_None);
+    }
+    req->method = environ_str(environ, str_method_key, GQP_NOTE_MAX_METHOD);
+    req->path = environ_str(environ, str_path_key, GQP_NOTE_MAX_PATH);
+    req->profile = profref_make(self->profile_type, self->max_spans);
+    if (!req->request_id || !req->method || !req->path || !req->profile) {
+        goto fail;
+    }
+    req->start_ns = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
+    req->blocking = PyList_New(0);
+    req->generation = PyLong_FromLong(self->armed_fork_gen);
+    if (!req->start_ns || !req->blocking || !req->generation) {
+        goto fail;
+    }
+    gqp_profile *p = ((gqp_profref *)req->profile)->p;
+    int64_t gid = attach_greenlet(st, g, p);
+    if (gid <= 0) {
+        goto fail;
+    }
+    req->gid = PyLong_FromLongLong(gid);
+    req->addr = PyLong_FromVoidPtr(p);
+    if (!req->gid || !req->addr ||
+        PyDict_SetItem(self->requests, req->gid, (PyObject *)req) < 0) {
+        attach_greenlet(st, g, NULL);
+        goto fail;
+    }
+    if (PyDict_SetItem(self->profile_requests, req->addr,
+                       (PyObject *)req) < 0) {
+        attach_greenlet(st, g, NULL);
+        PyDict_DelItem(self->requests, req->gid);
+        goto fail;
+    }
+    req->greenlet = Py_NewRef(g);
+    req->engine = Py_NewRef(self->armed_eng);
+    req->sampled_by = Py_NewRef(str_pct);
+    req->status = Py_NewRef(Py_None);
+    req->error = Py_NewRef(Py_None);
+    req->done = Py_NewRef(Py_False);
+    req->observed = Py_NewRef(Py_None);
+    req->end_ns = Py_NewRef(Py_None);
+    self->open++;
+    profile_window(st, 1);
+    count_stat(self, str_sampled);
+    return req;
+fail:
+    PyErr_Clear();
+    Py_DECREF(req);
+    return NULL;
+}
+
+/* The C path's sampled request: begun here when it can be, else by
+ * Python's _call_slow (told the draw said: sample). */
+static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
+                              PyObject *environ, PyObject *start_response)
+{
+    gqp_req *req = st ? sampled_begin(self, st, environ) : NULL;
+    if (!req) {
+        PyObject *args[] = {(PyObject *)self, environ, start_response,
+                            str_pct};
+        return PyObject_VectorcallMethod(str_call_slow, args, 4, NULL);
+    }
+    PyObject *r = run_profiled(self, req, environ, start_response);
+    Py_DECREF(req);
+    return r;
+}
+
+/* ---- the middleware's counters of open profiles ------------------------- */
+
+/* _open_acquire(): one more sampled profile open, if max_open allows. */
+static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->open >= self->max_open) {
+        Py_RETURN_FALSE;
+    }
+    self->open++;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *mw_open_release(gqp_mw *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->open > 0) {
+        self->open--;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *mw_get_open(gqp_mw *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->open);
+}
+
+static int mw_set_open(gqp_mw *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    long v = value ? PyLong_AsLong(value) : -1;
+    if (v < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "_open must be >= 0");
+        }
+        return -1;
+    }
+    self->open = (int)v;
+    return 0;
+}
+
+static PyMethodDef profile_window_def = {
+    "profile_window", (PyCFunction)(void (*)(void))profile_window_py,
+    METH_FASTCALL, "profile_window(hooks, delta) (internal)."};
+static PyMethodDef cpu_windows_def = {
+    "cpu_windows", (PyCFunction)(void (*)(void))cpu_windows_py,
+    METH_FASTCALL, "cpu_windows(profiling_ns, idle_ns) (internal)."};
+static PyMethodDef new_profile_def = {
+    "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
+    METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
+
+/* Registers this file's types and functions in _registry.  0 or -1. */
+static int gqp_py_sampled_init(PyObject *reg)
+{
+    struct { PyObject **s; const char *v; } strs[] = {
+        {&str_finish, "_finish"}, {&str_finalize, "_finalize"},
+        {&str_drain_blocking, "_drain_blocking"},
+        {&str_finisher_woken, "finisher_woken"},
+        {&str_wake_finisher_soon, "_wake_finisher_soon"},
+        {&str_sampled, "sampled"}, {&str_empty, ""}, {&str_close, "close"},
+        {&str_finish_where, "finish"},
+    };
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
+        if (!*strs[i].s &&
+            !(*strs[i].s = PyUnicode_InternFromString(strs[i].v))) {
+            return -1;
+        }
+    }
+    struct { PyTypeObject *t; const char *name; } types[] = {
+        {&gqp_profref_type, "ProfileRef"}, {&gqp_req_type, "Request"},
+        {&gqp_startresp_type, "StartResponse"},
+        {&gqp_iterbody_type, "ClosingIterator"},
+        {&gqp_seqbody_type, "ClosingSequence"},
+    };
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        if (PyType_Ready(types[i].t) < 0 ||
+            PyObject_SetAttrString(reg, types[i].name,
+                                   (PyObject *)types[i].t) < 0) {
+            return -1;
+        }
+    }
+    PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
+                           &new_profile_def};
+    for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
+        PyObject *fn = PyCFunction_New(defs[i], NULL);
+        int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;
+        Py_XDECREF(fn);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}

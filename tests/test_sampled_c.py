@@ -1,0 +1,217 @@
+"""The C path of sampled requests (greqprof/_sampled.c): once a thread's
+engine is armed, a sampled request begins, runs and finishes with no
+greqprof frame under the app, and its profile says what the Python path's
+said.  Served through a real gevent.pywsgi server, as in test_middleware.py;
+the first request of each server takes the Python path (it arms the C
+one), so every test warms up first."""
+import logging
+import weakref
+
+import gevent
+import pytest
+
+from greqprof import _registry
+from test_fastpath import greqprof_frames
+from test_middleware import LOGGER, ok, wait_for
+from test_middleware import serve  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _child():
+    gevent.sleep(0)
+    return 7
+
+
+def spawning_app(frames):
+    def app(environ, start_response):
+        frames.append(greqprof_frames())
+        child = gevent.spawn(_child)
+        assert child.get() == 7
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [environ["PATH_INFO"].encode("latin-1")]
+    return app
+
+
+@pytest.mark.parametrize("linger", [0.0, 0.3])
+@pytest.mark.parametrize("blocking_ms", [100, None])
+def test_sampled_requests_run_with_no_greqprof_frame(serve, linger,
+                                                     blocking_ms):
+    frames = []
+    s = serve(spawning_app(frames), pct=1.0, linger=linger,
+              blocking_ms=blocking_ms)
+    for i in range(4):
+        r = s.get("/r%d" % i, headers=[("X-Request-ID", "id-%d" % i)])
+        assert r.status == 201 and r.body == b"/r%d" % i
+    s.wait_profiles(4)
+    assert frames[1:] == [[]] * 3, frames
+    by_path = {p.path: p for p in s.profiles}
+    assert sorted(by_path) == ["/r0", "/r1", "/r2", "/r3"]
+    for i in range(4):
+        p = by_path["/r%d" % i]
+        assert (p.method, p.status, p.request_id, p.error) == \
+            ("GET", "201 Created", "id-%d" % i, None)
+        assert p.sampled_by == "pct"
+        # the request's greenlet and the child it spawned and joined
+        assert len({sp.greenlet_id for sp in p.spans}) == 2, p.spans
+        assert p.wall > 0 and p.start < p.end
+    assert s.mw.stats["sampled"] == 4 and s.mw.stats["requests"] == 4
+    wait_for(lambda: s.mw._open == 0, what="no open profile")
+
+
+def test_an_app_exception_is_recorded_and_raised(serve):
+    frames = []
+
+    def app(environ, start_response):
+        frames.append(greqprof_frames())
+        if environ["PATH_INFO"] == "/boom":
+            raise ValueError("boom")
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0)
+    assert s.get("/warm-up").status == 200
+    assert s.get("/boom").status == 500
+    p = s.profile_for("/boom")
+    assert frames[1] == []
+    assert p.error == "ValueError: boom" and p.status is None
+    wait_for(lambda: s.mw._open == 0, what="no open profile")
+
+
+class Body:
+    """A streaming body that fails after `good` chunks (or at iter())."""
+
+    def __init__(self, good, fail_iter=False):
+        self.good = good
+        self.fail_iter = fail_iter
+        self.closed = 0
+
+    def __iter__(self):
+        if self.fail_iter:
+            raise OSError("no body")
+        return self._gen()
+
+    def _gen(self):
+        for i in range(self.good):
+            yield b"chunk%d\n" % i
+        raise KeyError("lost")
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("fail_iter", [False, True])
+def test_a_failing_body_is_closed_once_and_recorded(serve, fail_iter):
+    bodies = []
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        if environ["PATH_INFO"] == "/warm-up":
+            return [b"ok"]
+        bodies.append(Body(2, fail_iter))
+        return bodies[-1]
+
+    s = serve(app, pct=1.0)
+    assert s.get("/warm-up").status == 200
+    try:
+        s.get("/stream")
+    except Exception:
+        pass  # the server drops the connection mid-body
+    p = s.profile_for("/stream")
+    assert bodies[0].closed == 1
+    expected = "OSError: no body" if fail_iter else "KeyError: 'lost'"
+    assert p.error == expected
+    wait_for(lambda: s.mw._open == 0, what="no open profile")
+
+
+def test_start_response_with_exc_info_is_passed_through(serve):
+    seen = []
+
+    def app(environ, start_response):
+        try:
+            raise RuntimeError("late")
+        except RuntimeError:
+            import sys
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            w = start_response("503 Busy", [("Content-Type", "text/plain")],
+                               sys.exc_info())
+            seen.append(w is not None)
+        return [b"busy"]
+
+    s = serve(app, pct=1.0)
+    for path in ("/a", "/b"):
+        r = s.get(path)
+        assert r.status == 503 and r.body == b"busy"
+    assert s.profile_for("/b").status == "503 Busy"
+    assert seen == [True, True]
+
+
+def test_a_bad_start_response_call_is_a_type_error(serve):
+    errors = []
+
+    def app(environ, start_response):
+        try:
+            start_response("200 OK")
+        except TypeError as e:
+            errors.append(str(e))
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0)
+    for path in ("/a", "/b"):
+        assert s.get(path).status == 200
+    assert len(errors) == 2 and "start_response" in errors[1]
+
+
+def test_a_list_body_keeps_its_length(serve):
+    s = serve(ok(b"twelve bytes"), pct=1.0)
+    for path in ("/a", "/b"):
+        r = s.get(path)
+        assert r.body == b"twelve bytes"
+        assert r.headers.get("content-length") == "12"
+
+
+def test_max_open_applies_on_the_c_path(serve, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/keep":
+            gevent.spawn(gevent.sleep, 0.5)  # keeps its profile open
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, max_open=1, linger=2.0)
+    assert s.get("/keep").status == 200
+    assert s.mw._open == 1
+    assert s.get("/other").status == 200
+    assert s.mw.stats["skipped_full"] == 1
+    s.profile_for("/keep")
+    wait_for(lambda: s.mw._open == 0, what="no open profile")
+    assert [p.path for p in s.profiles] == ["/keep"]
+
+
+def test_the_request_object():
+    req = _registry.Request()
+    assert req.greenlet is None and req.profile is None
+    req.path = "/x"
+    req.blocking = []
+    assert req.path == "/x" and req.blocking == []
+    assert weakref.ref(req)() is req
+    with pytest.raises(AttributeError):
+        req.no_such_field = 1
+
+
+def test_internal_entry_points_check_their_arguments():
+    from greqprof import ProfilingMiddleware
+    from greqprof._lowlevel import RequestRawProfile
+    mw = ProfilingMiddleware(ok(), pct=1.0, blocking_ms=None)
+    with pytest.raises(TypeError):
+        mw._call_profiled("not a request", {}, None)
+    with pytest.raises(ValueError):
+        _registry.new_profile(RequestRawProfile, 0)
+    with pytest.raises(TypeError):
+        _registry.new_profile(dict, 10)
+    with pytest.raises(ValueError):
+        mw._open = -1
+    rp = RequestRawProfile.for_request(5)
+    assert rp.addr and not rp.closed and rp.attached == 0
+    assert rp.spans() == [] and rp.funcs() == []
+    rp.close()
+    assert rp.closed
