@@ -323,10 +323,12 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
          * lookup then finds the class's method, bound to g itself, which
          * names no function of the app. */
         PyObject *self = NULL;
-        if (from_underscore) {
-            self = PyMethod_Check(run) ? Py_NewRef(PyMethod_GET_SELF(run))
-                                       : PyObject_GetAttrString(run,
-                                                                "__self__");
+        if (from_underscore && PyMethod_Check(run)) {
+            self = Py_NewRef(PyMethod_GET_SELF(run));
+        } else if (from_underscore && !PyFunction_Check(run)) {
+            /* (a plain function has no __self__: not asked, since the
+             * AttributeError costs microseconds per spawned greenlet) */
+            self = PyObject_GetAttrString(run, "__self__");
         }
         PyErr_Clear();
         if (self != g) {

@@ -270,10 +270,10 @@ class RawTracer:
                                        profile_addr), "attach")
 
     def set_spawn_profile(self, greenlet, profile):
-        """Greenlets spawned by `greenlet` inherit `profile` from now on."""
-        _check(lib.gqp_tracer_set_spawn_profile(
-            self.ptr, id(greenlet),
-            profile.ptr if profile is not None else ffi.NULL),
+        """Greenlets spawned by `greenlet` inherit `profile` (a
+        RequestRawProfile, or None) from now on."""
+        _check(_registry.set_spawn_profile(
+            self.addr, greenlet, profile.addr if profile is not None else 0),
             "set_spawn_profile")
 
     def greenlet_id(self, greenlet):

@@ -843,6 +843,30 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
     return r;
 }
 
+/* _registry.set_spawn_profile(tracer, greenlet, profile): greenlets that
+ * greenlet spawns from now on inherit the profile at that address (0:
+ * none).  Without cffi, which would release the GIL.  GQP_OK or a
+ * negative GQP_E* code. */
+static PyObject *set_spawn_profile_py(PyObject *self, PyObject *const *args,
+                                      Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_spawn_profile takes 3 arguments");
+        return NULL;
+    }
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(args[0]);
+    gqp_profile *p = (gqp_profile *)PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int rc = t ? gqp_tracer_set_spawn_profile(t, (uint64_t)(uintptr_t)args[1],
+                                              p)
+               : GQP_EINVAL;
+    return PyLong_FromLong(rc);
+}
+
 /* ---- the middleware's counters of open profiles ------------------------- */
 
 /* _open_acquire(): one more sampled profile open, if max_open allows. */
@@ -891,6 +915,9 @@ static PyMethodDef profile_window_def = {
 static PyMethodDef cpu_windows_def = {
     "cpu_windows", (PyCFunction)(void (*)(void))cpu_windows_py,
     METH_FASTCALL, "cpu_windows(profiling_ns, idle_ns) (internal)."};
+static PyMethodDef set_spawn_profile_def = {
+    "set_spawn_profile", (PyCFunction)(void (*)(void))set_spawn_profile_py,
+    METH_FASTCALL, "set_spawn_profile(tracer, greenlet, profile) (internal)."};
 static PyMethodDef new_profile_def = {
     "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
     METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
@@ -926,7 +953,7 @@ static int gqp_py_sampled_init(PyObject *reg)
         }
     }
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
-                           &new_profile_def};
+                           &new_profile_def, &set_spawn_profile_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

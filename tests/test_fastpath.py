@@ -62,25 +62,36 @@ def test_sampled_requests_still_get_a_profile_after_the_c_path_is_armed(
     assert s.mw.stats["requests"] == 4 and s.mw.stats["sampled"] == 1
 
 
-def test_a_lingering_profile_keeps_only_its_own_greenlet_off_the_c_path(
+def test_a_lingering_profile_stops_taking_its_greenlets_spawns_on_the_c_path(
         serve):
+    """The next request of a greenlet whose sampled request still lingers
+    runs on the C path, and what it spawns is not the lingering
+    request's."""
     frames = {}
+    kids = {}
     draws = iter([0.9, 0.1, 0.9, 0.9])
+
+    def kid(path):
+        from test_middleware import current_gid
+        kids[path] = current_gid()
+        gevent.sleep(0.5 if path == "/sampled" else 0)
 
     def app(environ, start_response):
         path = environ["PATH_INFO"]
-        if path == "/sampled":
-            gevent.spawn(gevent.sleep, 0.5)  # keeps the profile lingering
+        gevent.spawn(kid, path)   # keeps a sampled profile lingering
+        gevent.sleep(0)
         frames[path] = greqprof_frames()
         return ok()(environ, start_response)
 
+    from test_middleware import _two_pipelined, http_raw
     s = serve(app, pct=0.5, rng=lambda: next(draws), linger=2.0)
     assert s.get("/warm-up").status == 200
-    assert s.get("/sampled").status == 200
-    from greqprof import engine
-    assert engine.current_engine().lingering, "the profile should linger"
-    assert s.get("/other-connection").status == 200
-    assert frames["/other-connection"] == []
+    raw = http_raw(s.port, _two_pipelined(b"/sampled", b"/next"))
+    assert raw.count(b"HTTP/1.1 200 OK") == 2
+    assert frames["/next"] == [], "the C path should run it"
+    p = s.profile_for("/sampled", timeout=5)
+    gids = {sp.greenlet_id for sp in p.spans}
+    assert kids["/sampled"] in gids and kids["/next"] not in gids
     assert s.mw.stats["sampled"] == 1
 
 
