@@ -2,7 +2,8 @@
 
 Shared by the whole-process Profiler and per-request profiles."""
 from . import _registry
-from ._lowlevel import NS, func_info
+from ._lowlevel import NS, ClockOrigin, func_info
+from .request_profile import WaitedOn, Waiting
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SPAN_FINISHED = 0x1
@@ -114,3 +115,36 @@ def func_stats(raw_profiles):
                             children=tuple(kids)))
     out.sort(key=lambda f: -f.ttot)
     return out
+
+
+def request_records(raw):
+    """The deferred fields of a request's RequestProfile (see
+    RequestProfile._deferred), from what the middleware read out when the
+    request was finalized."""
+    (raw_spans, raw_greenlets, longest, fallback, stacks, top, wait_ns,
+     complete, epoch0, wall0) = raw
+    origin = ClockOrigin(epoch0, wall0)
+    names = greenlet_names(None, raw_greenlets)
+    for gid, n in fallback.items():
+        if gid not in names and n:
+            names[gid] = n
+    st = stacks or {}
+    spans = [make_span(origin, x, names, st) for x in raw_spans]
+    greenlets = greenlet_stats(None, raw_greenlets, names)
+    cpus = [g.cpu for g in greenlets if g.cpu is not None]
+    waited = []
+    for gid, ns, n in top:
+        name, fn = n or ("greenlet-%d" % gid, "")
+        if fn and fn.startswith("greqprof."):
+            continue  # greqprof's own housekeeping greenlets
+        waited.append(WaitedOn(greenlet_id=gid, name=name or "",
+                               fn_name=fn or "", seconds=ns * NS))
+    return {
+        "spans": spans,
+        "longest_span": (make_span(origin, longest, names, st)
+                         if longest else None),
+        "greenlets": greenlets,
+        "cpu": sum(cpus) if cpus else None,
+        "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
+                           complete=complete),
+    }

@@ -587,44 +587,19 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # profiling overhead, not the app's time.
             calls = [f for f in _collect.func_stats([rp])
                      if not f.filename.startswith(_OWN_DIR)]
-        origin = _lowlevel.ClockOrigin(epoch0, wall0)
-        wait_ns = total
-
-        def load():
-            names = _collect.greenlet_names(None, raw_greenlets)
-            for gid, n in fallback.items():
-                if gid not in names and n:
-                    names[gid] = n
-            st = stacks or {}
-            spans = [_collect.make_span(origin, x, names, st)
-                     for x in raw_spans]
-            greenlets = _collect.greenlet_stats(None, raw_greenlets, names)
-            cpus = [g.cpu for g in greenlets if g.cpu is not None]
-            waited = []
-            for gid, ns, n in top:
-                name, fn = n or ("greenlet-%d" % gid, "")
-                if fn and fn.startswith("greqprof."):
-                    continue  # greqprof's own housekeeping greenlets
-                waited.append(WaitedOn(greenlet_id=gid, name=name or "",
-                                       fn_name=fn or "", seconds=ns * NS))
-            return {
-                "spans": spans,
-                "longest_span": (_collect.make_span(origin, longest, names,
-                                                    st) if longest else None),
-                "greenlets": greenlets,
-                "cpu": sum(cpus) if cpus else None,
-                "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
-                                   complete=complete),
-            }
-
-        return RequestProfile._deferred(
-            load, method=req.method, path=req.path, status=req.status,
-            start=origin.to_epoch(req.start_ns), end=origin.to_epoch(end_ns),
-            wall=(end_ns - req.start_ns) * NS, calls=calls,
-            dropped_spans=dropped_spans, dropped_calls=dropped_calls,
-            blocking=[], clock=self.config.clock, sampled_by=req.sampled_by,
-            request_id=req.request_id, pid=self.pid,
-            hostname=self.hostname, error=req.error)
+        shift = epoch0 - wall0  # (ClockOrigin.to_epoch, inline)
+        return RequestProfile._deferred({
+            "method": req.method, "path": req.path, "status": req.status,
+            "start": (shift + req.start_ns) * NS,
+            "end": (shift + end_ns) * NS,
+            "wall": (end_ns - req.start_ns) * NS, "calls": calls,
+            "dropped_spans": dropped_spans, "dropped_calls": dropped_calls,
+            "blocking": [], "clock": self.config.clock,
+            "sampled_by": req.sampled_by, "request_id": req.request_id,
+            "pid": self.pid, "hostname": self.hostname, "error": req.error,
+        }, _collect.request_records, (
+            raw_spans, raw_greenlets, longest, fallback, stacks, top, total,
+            complete, epoch0, wall0))
 
     def _drain_loop(self, eng):
         """Reports blocking spans of greenlets outside requests, once a
