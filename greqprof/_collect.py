@@ -1,6 +1,8 @@
 """Turns raw tuples read from profiles into the public records.
 
 Shared by the whole-process Profiler and per-request profiles."""
+import struct
+
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
 from .request_profile import WaitedOn, Waiting
@@ -117,20 +119,27 @@ def func_stats(raw_profiles):
     return out
 
 
+#: rows of _registry.read_profile's bytes (_hooks.c): a gqp_span, and
+#: (id, wall_ns, cpu_ns, switches, first_ns, last_ns, finished)
+SPAN_ROW = struct.Struct("=QqqqII")
+GREENLET_ROW = struct.Struct("=QqqQqqQ")
+
+
 def request_records(raw):
     """The deferred fields of a request's RequestProfile (see
-    RequestProfile._deferred), from what the middleware read out when the
-    request was finalized."""
-    (raw_spans, raw_greenlets, longest, fallback, stacks, top, wait_ns,
-     complete, epoch0, wall0) = raw
+    RequestProfile._deferred), from what _registry.read_profile read out
+    when the request was finalized."""
+    (span_rows, greenlet_rows, longest, _end, wait_ns, top, complete,
+     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw
     origin = ClockOrigin(epoch0, wall0)
-    names = greenlet_names(None, raw_greenlets)
-    for gid, n in fallback.items():
-        if gid not in names and n:
-            names[gid] = n
     st = stacks or {}
-    spans = [make_span(origin, x, names, st) for x in raw_spans]
-    greenlets = greenlet_stats(None, raw_greenlets, names)
+    # (names has every greenlet's: rows need none of their own)
+    spans = [make_span(origin, x, names, st)
+             for x in SPAN_ROW.iter_unpack(span_rows)]
+    greenlets = greenlet_stats(None, [
+        (gid, wall, cpu, sw, first, last, bool(fin), "", "")
+        for gid, wall, cpu, sw, first, last, fin
+        in GREENLET_ROW.iter_unpack(greenlet_rows)], names)
     cpus = [g.cpu for g in greenlets if g.cpu is not None]
     waited = []
     for gid, ns, n in top:
@@ -141,8 +150,8 @@ def request_records(raw):
                                fn_name=fn or "", seconds=ns * NS))
     return {
         "spans": spans,
-        "longest_span": (make_span(origin, longest, names, st)
-                         if longest else None),
+        "longest_span": (make_span(origin, SPAN_ROW.unpack(longest), names,
+                                   st) if longest is not None else None),
         "greenlets": greenlets,
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
