@@ -1162,7 +1162,7 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * bytes, or None; end_ns: the later of end_ns and the last span's end, the
  * window waited_* cover; waited_top: ((greenlet_id, ns, the registry's
  * names or None), ...); names: {greenlet_id: (name, fn_name)} for the
- * greenlets of the rows, the profile's names, else the registry's; stacks:
+ * greenlets of the rows, the registry's names, else the profile's; stacks:
  * {tag: text} of the spans' stacks, taken out of the registry (take true)
  * or copied (take false: the profile is still open), or None.  profile and
  * tracer are the addresses of live objects the caller owns (internal:
@@ -1232,21 +1232,45 @@ static int stack_of(PyObject **stacks, uint32_t tag, int take)
     return rc;
 }
 
-/* The profile's (name, fn_name) of a greenlet row, None when it has none
- * or they are not UTF-8 (the registry's names are used then). */
-static PyObject *profile_names(const gqp_greenlet_stat *g)
+/* The (name, fn_name) of a greenlet row: the registry's (known, borrowed,
+ * may be NULL), else the profile's, else None.  The hooks name a greenlet
+ * in both at once, the registry in full (the profile truncates them to
+ * GQP_PROFILE_MAX_NAME bytes), so the profile's only matter once the
+ * registry forgot the greenlet; they are decoded only then.  Names that
+ * are not UTF-8 (cut in a character) count as none. */
+static PyObject *row_names(const gqp_greenlet_stat *g, PyObject *known)
 {
     const char *nm = g->name ? g->name : "";
     const char *fn = g->fn_name ? g->fn_name : "";
-    if (!*nm && !*fn) {
-        return Py_NewRef(Py_None);
+    if (known || (!*nm && !*fn)) {
+        return Py_NewRef(known ? known : Py_None);
     }
-    PyObject *pair = Py_BuildValue("(ss)", nm, fn);
+    PyObject *name = PyUnicode_DecodeUTF8(nm, (Py_ssize_t)strlen(nm), NULL);
+    PyObject *fn_name = name ? PyUnicode_DecodeUTF8(
+        fn, (Py_ssize_t)strlen(fn), NULL) : NULL;
+    PyObject *pair = fn_name ? PyTuple_Pack(2, name, fn_name) : NULL;
+    Py_XDECREF(name);
+    Py_XDECREF(fn_name);
     if (!pair && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
         PyErr_Clear();
         return Py_NewRef(Py_None);
     }
     return pair;
+}
+
+/* gid has a row among the first n (a short scan; 0 when there are many
+ * rows, and the caller looks in the dict instead). */
+static int has_row(const gqp_py_greenlet_row *rows, size_t n, uint64_t gid)
+{
+    if (n > 16) {
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (rows[i].greenlet_id == gid) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 #define GQP_PY_PROFILE_ITEMS 13
@@ -1321,19 +1345,19 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         rows[ngreenlets] = (gqp_py_greenlet_row){
             g.greenlet_id, g.wall_ns, g.cpu_ns, g.switches, g.first_ns,
             g.last_ns, g.finished ? 1 : 0};
-        PyObject *pair = profile_names(&g);
-        if (!pair) {
+        PyObject *key = PyLong_FromUnsignedLongLong(g.greenlet_id);
+        if (!key) {
             goto done;
         }
-        int rc;
-        if (pair == Py_None) {
-            rc = name_from_registry(names, g.greenlet_id);
-        } else {
-            PyObject *key = PyLong_FromUnsignedLongLong(g.greenlet_id);
-            rc = key ? PyDict_SetItem(names, key, pair) : -1;
-            Py_XDECREF(key);
+        PyObject *known = PyDict_GetItemWithError(reg_names, key);
+        PyObject *pair = known || !PyErr_Occurred() ? row_names(&g, known)
+                                                    : NULL;
+        int rc = pair ? 0 : -1;
+        if (pair && pair != Py_None) {
+            rc = PyDict_SetItem(names, key, pair);
         }
-        Py_DECREF(pair);
+        Py_DECREF(key);
+        Py_XDECREF(pair);
         if (rc < 0) {
             goto done;
         }
@@ -1356,9 +1380,16 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         if (!greenlets) {
             goto done;
         }
+        rows = (gqp_py_greenlet_row *)(void *)PyBytes_AS_STRING(greenlets);
     }
+    /* spans of greenlets without a row (the profile's table was full) */
     for (size_t i = 0; i < nspans; i++) {
-        if (name_from_registry(names, sp[i].greenlet_id) < 0) {
+        uint64_t gid = sp[i].greenlet_id;
+        if ((i > 0 && gid == sp[i - 1].greenlet_id) ||
+            has_row(rows, ngreenlets, gid)) {
+            continue;
+        }
+        if (name_from_registry(names, gid) < 0) {
             goto done;
         }
     }
