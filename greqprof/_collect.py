@@ -38,12 +38,11 @@ def make_span(rp, raw, names, stacks=None):
     if tag:
         stack = (stacks.get(tag) if stacks is not None
                  else _registry.stacks.get(tag))
-    return Span(greenlet_id=gid, greenlet_name=name, fn_name=fn,
-                start=rp.to_epoch(start), end=rp.to_epoch(end),
-                wall=(end - start) * NS,
-                cpu=None if cpu < 0 else cpu * NS,
-                finished=bool(flags & SPAN_FINISHED), stack=stack,
-                long=bool(flags & SPAN_LONG))
+    # (positional: Span's fields in order; keywords would build a dict per
+    # span)
+    return Span(gid, name, fn, rp.to_epoch(start), rp.to_epoch(end),
+                (end - start) * NS, None if cpu < 0 else cpu * NS,
+                bool(flags & SPAN_FINISHED), stack, bool(flags & SPAN_LONG))
 
 
 def spans(raw_profiles, stacks=None):
@@ -72,9 +71,8 @@ def greenlet_stats(raw_profiles, raw_greenlets=None, names=None):
     for gid, (name, fn, cpu, wall, sw, fin) in merged.items():
         if not name and not fn:
             name, fn = _name_of(gid, names or {})
-        out.append(GreenletStat(id=gid, name=name, fn_name=fn,
-                                cpu=None if cpu < 0 else cpu * NS,
-                                wall=wall * NS, switches=sw, finished=fin))
+        out.append(GreenletStat(gid, name, fn, None if cpu < 0 else cpu * NS,
+                                wall * NS, sw, fin))  # (fields in order)
     out.sort(key=lambda g: g.id)
     return out
 
