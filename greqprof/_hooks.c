@@ -1323,7 +1323,8 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         }
     }
 
-    /* greenlets: numbers as rows, names (which live in the profile) now */
+    /* greenlets: numbers as rows; names now (the registry forgets dead
+     * greenlets, the profile goes with the request) */
     names = PyDict_New();
     if (!names) {
         goto done;
