@@ -1,8 +1,11 @@
 """Turns raw tuples read from profiles into the public records.
 
 Shared by the whole-process Profiler and per-request profiles."""
+import struct
+
 from . import _registry
-from ._lowlevel import NS, func_info
+from ._lowlevel import NS, ClockOrigin, func_info
+from .request_profile import WaitedOn, Waiting
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SPAN_FINISHED = 0x1
@@ -35,12 +38,11 @@ def make_span(rp, raw, names, stacks=None):
     if tag:
         stack = (stacks.get(tag) if stacks is not None
                  else _registry.stacks.get(tag))
-    return Span(greenlet_id=gid, greenlet_name=name, fn_name=fn,
-                start=rp.to_epoch(start), end=rp.to_epoch(end),
-                wall=(end - start) * NS,
-                cpu=None if cpu < 0 else cpu * NS,
-                finished=bool(flags & SPAN_FINISHED), stack=stack,
-                long=bool(flags & SPAN_LONG))
+    # (positional: Span's fields in order; keywords would build a dict per
+    # span)
+    return Span(gid, name, fn, rp.to_epoch(start), rp.to_epoch(end),
+                (end - start) * NS, None if cpu < 0 else cpu * NS,
+                bool(flags & SPAN_FINISHED), stack, bool(flags & SPAN_LONG))
 
 
 def spans(raw_profiles, stacks=None):
@@ -69,9 +71,8 @@ def greenlet_stats(raw_profiles, raw_greenlets=None, names=None):
     for gid, (name, fn, cpu, wall, sw, fin) in merged.items():
         if not name and not fn:
             name, fn = _name_of(gid, names or {})
-        out.append(GreenletStat(id=gid, name=name, fn_name=fn,
-                                cpu=None if cpu < 0 else cpu * NS,
-                                wall=wall * NS, switches=sw, finished=fin))
+        out.append(GreenletStat(gid, name, fn, None if cpu < 0 else cpu * NS,
+                                wall * NS, sw, fin))  # (fields in order)
     out.sort(key=lambda g: g.id)
     return out
 
@@ -114,3 +115,43 @@ def func_stats(raw_profiles):
                             children=tuple(kids)))
     out.sort(key=lambda f: -f.ttot)
     return out
+
+
+#: rows of _registry.read_profile's bytes (_hooks.c): a gqp_span, and
+#: (id, wall_ns, cpu_ns, switches, first_ns, last_ns, finished)
+SPAN_ROW = struct.Struct("=QqqqII")
+GREENLET_ROW = struct.Struct("=QqqQqqQ")
+
+
+def request_records(raw):
+    """The deferred fields of a request's RequestProfile (see
+    RequestProfile._deferred), from what _registry.read_profile read out
+    when the request was finalized."""
+    (span_rows, greenlet_rows, longest, _end, wait_ns, top, complete,
+     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw
+    origin = ClockOrigin(epoch0, wall0)
+    st = stacks or {}
+    # (names has every greenlet's: rows need none of their own)
+    spans = [make_span(origin, x, names, st)
+             for x in SPAN_ROW.iter_unpack(span_rows)]
+    greenlets = greenlet_stats(None, [
+        (gid, wall, cpu, sw, first, last, bool(fin), "", "")
+        for gid, wall, cpu, sw, first, last, fin
+        in GREENLET_ROW.iter_unpack(greenlet_rows)], names)
+    cpus = [g.cpu for g in greenlets if g.cpu is not None]
+    waited = []
+    for gid, ns, n in top:
+        name, fn = n or ("greenlet-%d" % gid, "")
+        if fn and fn.startswith("greqprof."):
+            continue  # greqprof's own housekeeping greenlets
+        waited.append(WaitedOn(greenlet_id=gid, name=name or "",
+                               fn_name=fn or "", seconds=ns * NS))
+    return {
+        "spans": spans,
+        "longest_span": (make_span(origin, SPAN_ROW.unpack(longest), names,
+                                   st) if longest is not None else None),
+        "greenlets": greenlets,
+        "cpu": sum(cpus) if cpus else None,
+        "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
+                           complete=complete),
+    }

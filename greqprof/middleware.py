@@ -511,7 +511,6 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # spans are named after it.
             self._drain_blocking(eng)
             profile = self._build(eng, req, req.end_ns)
-            profile.blocking.extend(req.blocking)
             self._deliver(profile)
             for obs in self.observers:
                 self._notify(obs, "on_profile", req, profile)
@@ -526,78 +525,36 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
 
     def _build(self, eng, req, end_ns, snapshot=False):
         """The RequestProfile of req; snapshot=True reads an open profile
-        without consuming its stacks (for observers).
+        without consuming its stacks (for observers), and without its
+        blocking events.
 
-        Only what must be read now is read now: the profile's rows (its C
-        memory goes once the request is finalized), the stacks, the waiting
-        time (the tracer's history moves on) and the names.  The public
-        records (Span, GreenletStat, ...) are built when first read."""
-        rp = req.profile
-        (raw_spans, raw_greenlets, longest, end_ns, total, top, complete,
-         dropped_spans, dropped_calls, epoch0, wall0) = \
-            _registry.read_profile(req.addr, eng.tracer.addr, req.start_ns,
-                                   end_ns, 8)
-        stacks = None
-        reg_names = _registry.names
-        take = _registry.stacks.get if snapshot else _registry.stacks.pop
-        # Names of greenlets the profile did not name (registry entries of
-        # dead greenlets are dropped after a while).
-        fallback = {}
-        for s in raw_spans:
-            if s[5]:
-                text = take(s[5], None)
-                if text is not None:
-                    if stacks is None:
-                        stacks = {}
-                    stacks[s[5]] = text
-            gid = s[0]
-            if gid not in fallback:
-                fallback[gid] = reg_names.get(gid)
-        top = [(gid, ns, reg_names.get(gid)) for gid, ns in top]
+        Only what must be read now is read now, by one C call
+        (read_profile): the profile's rows (its C memory goes once the
+        request is finalized), the stacks, the waiting time (the tracer's
+        history moves on) and the names.  The public records (Span,
+        GreenletStat, ...) are built from that when first read."""
+        raw = _registry.read_profile(req.addr, eng.tracer.addr, req.start_ns,
+                                     end_ns, 8, not snapshot)
+        (_, _, _, end_ns, _, _, _, dropped_spans, dropped_calls, epoch0,
+         wall0, _, _) = raw
         calls = None
         if self.config.calls:
             # greqprof's own frames (the middleware around the app) are
             # profiling overhead, not the app's time.
-            calls = [f for f in _collect.func_stats([rp])
+            calls = [f for f in _collect.func_stats([req.profile])
                      if not f.filename.startswith(_OWN_DIR)]
-        origin = _lowlevel.ClockOrigin(epoch0, wall0)
-        wait_ns = total
-
-        def load():
-            names = _collect.greenlet_names(None, raw_greenlets)
-            for gid, n in fallback.items():
-                if gid not in names and n:
-                    names[gid] = n
-            st = stacks or {}
-            spans = [_collect.make_span(origin, x, names, st)
-                     for x in raw_spans]
-            greenlets = _collect.greenlet_stats(None, raw_greenlets, names)
-            cpus = [g.cpu for g in greenlets if g.cpu is not None]
-            waited = []
-            for gid, ns, n in top:
-                name, fn = n or ("greenlet-%d" % gid, "")
-                if fn and fn.startswith("greqprof."):
-                    continue  # greqprof's own housekeeping greenlets
-                waited.append(WaitedOn(greenlet_id=gid, name=name or "",
-                                       fn_name=fn or "", seconds=ns * NS))
-            return {
-                "spans": spans,
-                "longest_span": (_collect.make_span(origin, longest, names,
-                                                    st) if longest else None),
-                "greenlets": greenlets,
-                "cpu": sum(cpus) if cpus else None,
-                "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
-                                   complete=complete),
-            }
-
-        return RequestProfile._deferred(
-            load, method=req.method, path=req.path, status=req.status,
-            start=origin.to_epoch(req.start_ns), end=origin.to_epoch(end_ns),
-            wall=(end_ns - req.start_ns) * NS, calls=calls,
-            dropped_spans=dropped_spans, dropped_calls=dropped_calls,
-            blocking=[], clock=self.config.clock, sampled_by=req.sampled_by,
-            request_id=req.request_id, pid=self.pid,
-            hostname=self.hostname, error=req.error)
+        shift = epoch0 - wall0  # (ClockOrigin.to_epoch, inline)
+        return RequestProfile._deferred({
+            "method": req.method, "path": req.path, "status": req.status,
+            "start": (shift + req.start_ns) * NS,
+            "end": (shift + end_ns) * NS,
+            "wall": (end_ns - req.start_ns) * NS, "calls": calls,
+            "dropped_spans": dropped_spans, "dropped_calls": dropped_calls,
+            "blocking": [] if snapshot else req.blocking[:],
+            "clock": self.config.clock, "sampled_by": req.sampled_by,
+            "request_id": req.request_id, "pid": self.pid,
+            "hostname": self.hostname, "error": req.error,
+        }, _collect.request_records, raw)
 
     def _drain_loop(self, eng):
         """Reports blocking spans of greenlets outside requests, once a

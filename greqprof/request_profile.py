@@ -93,14 +93,15 @@ class RequestProfile:
     error: Optional[str] = None
 
     @classmethod
-    def _deferred(cls, loader, **fields):
+    def _deferred(cls, fields, loader, arg):
         """A profile whose remaining fields (``DEFERRED``) are built by
-        ``loader()`` on first access.  The middleware hands every sampled
+        ``loader(arg)`` on first access.  The middleware hands every sampled
         request to its sink this way: a sink that keeps or drops profiles
-        without reading their spans does not pay for building them."""
+        without reading their spans does not pay for building them.
+        ``fields`` (the other fields) becomes the instance's dict."""
         self = cls.__new__(cls)
-        self.__dict__.update(fields)
-        self.__dict__["_loader"] = loader
+        fields["_loader"] = (loader, arg)
+        self.__dict__ = fields
         return self
 
     #: fields a deferred profile builds on first access
@@ -114,7 +115,7 @@ class RequestProfile:
                 self.__dict__["_loader"] = loader
             raise AttributeError("%r object has no attribute %r"
                                  % (type(self).__name__, name))
-        self.__dict__.update(loader())
+        self.__dict__.update(loader[0](loader[1]))
         return getattr(self, name)
 
     def __getstate__(self):

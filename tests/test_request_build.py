@@ -1,0 +1,57 @@
+"""What a delivered RequestProfile keeps of sources that move on after the
+request (read out by _registry.read_profile when it is finalized)."""
+import gevent
+
+from greqprof import _registry
+from test_middleware import ok, serve  # noqa: F401  (serve: the fixture)
+
+LONG_NAME = "n" * 300  # longer than the profile's copy (255 bytes)
+
+
+def test_names_of_dead_greenlets_are_read_when_the_request_ends(serve):
+    def app(environ, start_response):
+        g = gevent.Greenlet(gevent.sleep, 0)
+        g.name = LONG_NAME
+        g.start()
+        g.join()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/named").status == 200
+    p = s.profile_for("/named")
+    assert "spans" not in vars(p)  # not read yet
+    # The registry forgets a dead greenlet's name 256 deaths later.
+    gevent.joinall([gevent.spawn(int) for _ in range(600)])
+    named = [gid for gid, n in _registry.names.items()
+             if n and n[0] == LONG_NAME]
+    assert not named, "the registry still knows the greenlet"
+    spans = [sp for sp in p.spans if sp.fn_name == "gevent.hub.sleep"]
+    assert spans and {sp.greenlet_name for sp in spans} == {LONG_NAME}
+    g = [g for g in p.greenlets if g.id == spans[0].greenlet_id]
+    assert g[0].name == LONG_NAME and g[0].finished
+
+
+def test_a_snapshot_leaves_the_stacks_to_the_final_profile(serve):
+    """An observer's snapshot of an open profile copies the stacks of its
+    spans; the final profile takes them out of the registry."""
+    snapshots = []
+
+    class Observer:
+        def on_response_end(self, req, snapshot, blocking):
+            snapshots.append(snapshot)
+
+    def app(environ, start_response):
+        import time
+        time.sleep(0.12)  # a long span: where it switched out is kept
+        gevent.sleep(0)
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0, blocking_ms=100,
+              observers=[Observer()])
+    assert s.get("/stacked").status == 200
+    p = s.profile_for("/stacked")
+    stacked = [sp for sp in p.spans if sp.stack]
+    assert stacked and ", in app\n" in stacked[0].stack
+    assert [sp.stack for sp in snapshots[0].spans if sp.stack] == \
+        [sp.stack for sp in stacked]
+    assert stacked[0].stack not in _registry.stacks.values()
