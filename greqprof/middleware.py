@@ -17,7 +17,7 @@ from . import config
 from .config import UNSET
 from .errors import ConfigError
 from .report import render_blocking
-from .request_profile import BlockingEvent, RequestProfile, WaitedOn, Waiting
+from .request_profile import BlockingEvent, RequestProfile
 
 try:
     from greenlet import getcurrent
