@@ -237,6 +237,7 @@ typedef struct {
     int max_open, open;      /* sampled profiles open at once: cap, count */
     size_t max_spans;
     PyTypeObject *profile_type;   /* _lowlevel.RequestRawProfile */
+    PyObject *clock, *hostname;   /* fields of every RequestProfile */
     /* Armed for one thread's engine (set by Python's _arm): */
     gqp_py_thread *armed_st;
     uint64_t armed_gen;
@@ -254,6 +255,10 @@ static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused);
 static PyObject *mw_open_release(gqp_mw *self, PyObject *unused);
 static PyObject *mw_get_open(gqp_mw *self, void *closure);
 static int mw_set_open(gqp_mw *self, PyObject *value, void *closure);
+static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
+                             Py_ssize_t nargs);
+static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
+                                   Py_ssize_t nargs);
 static int gqp_py_sampled_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests,
@@ -267,6 +272,8 @@ static int mw_traverse(gqp_mw *self, visitproc visit, void *arg)
     Py_VISIT(self->stats);
     Py_VISIT(self->rng);
     Py_VISIT(self->profile_type);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->hostname);
     Py_VISIT(self->armed_eng);
     Py_VISIT(self->lingering);
     Py_VISIT(self->requests);
@@ -292,6 +299,8 @@ static int mw_clear(gqp_mw *self)
     Py_CLEAR(self->rng);
     Py_CLEAR(self->trigger_key);
     Py_CLEAR(self->profile_type);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->hostname);
     mw_unarm(self);
     return 0;
 }
@@ -625,6 +634,10 @@ static PyMethodDef mw_methods[] = {
      "True when the calling thread takes the C path (internal)."},
     {"_call_profiled", (PyCFunction)(void (*)(void))mw_call_profiled,
      METH_FASTCALL, "Runs the app for an open request (internal)."},
+    {"_finalize", (PyCFunction)(void (*)(void))mw_finalize, METH_FASTCALL,
+     "Closes a request's profile and delivers it (internal)."},
+    {"_finalize_setup", (PyCFunction)(void (*)(void))mw_finalize_setup,
+     METH_FASTCALL, "Sets what _finalize puts in profiles (internal)."},
     {"_open_acquire", (PyCFunction)mw_open_acquire, METH_NOARGS,
      "Counts one more open profile if max_open allows (internal)."},
     {"_open_release", (PyCFunction)mw_open_release, METH_NOARGS,

@@ -843,6 +843,246 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
     return r;
 }
 
+/* ---- finalizing: the profile becomes a RequestProfile ------------------ */
+
+/* Set by _finalize_setup: */
+static PyTypeObject *rp_type;        /* request_profile.RequestProfile */
+static PyObject *rp_loader;          /* _collect.request_records */
+static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
+    *str_outputs, *str_pid, *str_delivered, *str_sink_where, *str_loader,
+    *str_f_method, *str_f_path, *str_f_status, *str_f_start, *str_f_end,
+    *str_f_wall, *str_f_calls, *str_f_dropped_spans, *str_f_dropped_calls,
+    *str_f_blocking, *str_f_clock, *str_f_sampled_by, *str_f_request_id,
+    *str_f_pid, *str_f_hostname, *str_f_error;
+
+/* Logs an error of greqprof's (the exception set) through
+ * _internal_error(where, exc); never fails. */
+static void internal_error(gqp_mw *mw, PyObject *where)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *r = value ? call_method2((PyObject *)mw, str_internal_error,
+                                       where, value) : NULL;
+    Py_XDECREF(r);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_Clear();
+}
+
+/* The RequestProfile of a closed request: its rows read out by
+ * read_profile (_hooks.c), the other fields given now; what _build does
+ * for the common case.  A new reference, or NULL with an exception set. */
+static PyObject *build_profile(gqp_mw *mw, gqp_py_thread *st, gqp_req *req)
+{
+    PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
+    PyObject *top = PyLong_FromLong(8);
+    PyObject *raw = NULL, *fields = NULL, *res = NULL;
+    if (!tracer || !top) {
+        goto done;
+    }
+    PyObject *args[] = {req->addr, tracer, req->start_ns, req->end_ns, top,
+                        Py_True};
+    raw = read_profile(NULL, args, 6);
+    if (!raw) {
+        goto done;
+    }
+    if (!PyTuple_Check(raw) || PyTuple_GET_SIZE(raw) < 11) {
+        PyErr_SetString(PyExc_RuntimeError, "read_profile: bad result");
+        goto done;
+    }
+    long long start = PyLong_AsLongLong(req->start_ns);
+    long long end = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 3));
+    long long epoch0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 9));
+    long long wall0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 10));
+    if (PyErr_Occurred()) {
+        goto done;
+    }
+    double shift = (double)(epoch0 - wall0);   /* ClockOrigin.to_epoch */
+    PyObject *pid = PyObject_GetAttr((PyObject *)mw, str_pid);
+    PyObject *loader = PyTuple_Pack(2, rp_loader, raw);
+    struct { PyObject *k, *v; } kv[] = {
+        {str_f_method, Py_XNewRef(req->method)},
+        {str_f_path, Py_XNewRef(req->path)},
+        {str_f_status, Py_XNewRef(req->status)},
+        {str_f_start, PyFloat_FromDouble((shift + (double)start) * 1e-9)},
+        {str_f_end, PyFloat_FromDouble((shift + (double)end) * 1e-9)},
+        {str_f_wall, PyFloat_FromDouble((double)(end - start) * 1e-9)},
+        {str_f_calls, Py_NewRef(Py_None)},
+        {str_f_dropped_spans, Py_NewRef(PyTuple_GET_ITEM(raw, 7))},
+        {str_f_dropped_calls, Py_NewRef(PyTuple_GET_ITEM(raw, 8))},
+        {str_f_blocking, req->blocking ? PySequence_List(req->blocking)
+                                       : PyList_New(0)},
+        {str_f_clock, Py_XNewRef(mw->clock)},
+        {str_f_sampled_by, Py_XNewRef(req->sampled_by)},
+        {str_f_request_id, Py_XNewRef(req->request_id)},
+        {str_f_pid, pid},
+        {str_f_hostname, Py_XNewRef(mw->hostname)},
+        {str_f_error, Py_XNewRef(req->error)},
+        {str_loader, loader},
+    };
+    size_t n = sizeof kv / sizeof kv[0];
+    fields = PyDict_New();
+    for (size_t i = 0; i < n; i++) {
+        if (fields && (!kv[i].v ||
+                       PyDict_SetItem(fields, kv[i].k, kv[i].v) < 0)) {
+            Py_CLEAR(fields);
+        }
+        Py_XDECREF(kv[i].v);
+    }
+    if (!fields) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "a field of the profile is "
+                            "missing");
+        }
+        goto done;
+    }
+    PyObject *noargs = PyTuple_New(0);
+    res = noargs ? PyBaseObject_Type.tp_new(rp_type, noargs, NULL) : NULL;
+    Py_XDECREF(noargs);
+    if (res && PyObject_GenericSetDict(res, fields, NULL) < 0) {
+        Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(tracer);
+    Py_XDECREF(top);
+    Py_XDECREF(raw);
+    Py_XDECREF(fields);
+    return res;
+}
+
+/* _deliver for the common case (no text report, no profile files): the
+ * sink; else Python's _deliver.  Errors are logged, never raised. */
+static void deliver(gqp_mw *mw, PyObject *profile)
+{
+    PyObject *report = PyObject_GetAttr((PyObject *)mw, str_report);
+    PyObject *outputs = report ? PyObject_GetAttr((PyObject *)mw, str_outputs)
+                               : NULL;
+    int plain = outputs && outputs == Py_None && PyObject_IsTrue(report) == 0;
+    Py_XDECREF(report);
+    Py_XDECREF(outputs);
+    PyErr_Clear();
+    if (!plain) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw, str_deliver,
+                                                profile);
+        if (!r) {
+            internal_error(mw, str_finish_where);
+        }
+        Py_XDECREF(r);
+        return;
+    }
+    PyObject *sink = PyObject_GetAttr((PyObject *)mw, str_sink);
+    if (sink && sink != Py_None) {
+        PyObject *r = PyObject_CallOneArg(sink, profile);
+        if (!r) {
+            internal_error(mw, str_sink_where);
+        }
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(sink);
+    PyErr_Clear();
+    count_stat(mw, str_delivered);
+}
+
+/* MiddlewareBase._finalize(engine, request): closes the request's profile,
+ * builds its RequestProfile and delivers it, here for the common case
+ * (this thread's armed engine, no observers, calls off), else through
+ * Python's _finalize_py. */
+static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
+                             Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_finalize(engine, request)");
+        return NULL;
+    }
+    gqp_req *req = (gqp_req *)args[1];
+    if (PyObject_TypeCheck(args[1], &gqp_req_type) &&
+        (!req->greenlet || req->greenlet == Py_None)) {
+        Py_RETURN_NONE;   /* already finalized (flush() before linger) */
+    }
+    gqp_py_thread *st = NULL;
+    if (PyObject_TypeCheck(args[1], &gqp_req_type) && rp_type && rp_loader &&
+        !self->calls && args[0] == self->armed_eng) {
+        st = finish_here(self, req);
+    }
+    if (!st) {
+        PyObject *fwd[] = {(PyObject *)self, args[0], args[1]};
+        return PyObject_VectorcallMethod(str_finalize_py, fwd, 3, NULL);
+    }
+    PyObject *g = req->greenlet;
+    gqp_profref *prof = (gqp_profref *)req->profile;
+    Py_INCREF(req);
+    Py_INCREF(g);
+    Py_INCREF(prof);
+    /* No longer lingering: what g spawns from now on is not this
+     * request's. */
+    PyObject *k = PyLong_FromVoidPtr(g);
+    PyObject *ling = k ? PyDict_GetItemWithError(self->lingering, k) : NULL;
+    if (ling == (PyObject *)req && PyDict_DelItem(self->lingering, k) == 0 &&
+        !is_dead(g)) {
+        gqp_tracer_set_spawn_profile(st->tracer, (uint64_t)(uintptr_t)g,
+                                     NULL);
+    }
+    Py_XDECREF(k);
+    PyErr_Clear();
+    if (prof->p && !gqp_profile_is_closed(prof->p)) {
+        gqp_profile_close(prof->p);
+    }
+    profile_window(st, -1);
+    if (self->open > 0) {
+        self->open--;
+    }
+    /* Drained while the request is still registered, so its blocking
+     * spans are named after it. */
+    if (PyList_GET_SIZE(reg_long) > 0) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
+                                                str_drain_blocking, args[0]);
+        if (!r) {
+            internal_error(self, str_finish_where);
+        }
+        Py_XDECREF(r);
+    }
+    PyObject *profile = build_profile(self, st, req);
+    if (profile) {
+        deliver(self, profile);
+        Py_DECREF(profile);
+    } else {
+        internal_error(self, str_finish_where);
+    }
+    /* (Python's finally:) */
+    Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
+    if (req->gid && PyDict_GetItemWithError(self->requests, req->gid) ==
+                        (PyObject *)req) {
+        PyDict_DelItem(self->requests, req->gid);
+    }
+    if (req->addr && PyDict_GetItemWithError(self->profile_requests,
+                                             req->addr) == (PyObject *)req) {
+        PyDict_DelItem(self->profile_requests, req->addr);
+    }
+    PyErr_Clear();
+    Py_DECREF(prof);
+    Py_DECREF(g);
+    Py_DECREF(req);
+    Py_RETURN_NONE;
+}
+
+/* _finalize_setup(RequestProfile, request_records, clock, hostname) */
+static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
+                                   Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyType_Check(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_finalize_setup(RequestProfile, "
+                        "loader, clock, hostname)");
+        return NULL;
+    }
+    Py_XSETREF(rp_type, (PyTypeObject *)Py_NewRef(args[0]));
+    Py_XSETREF(rp_loader, Py_NewRef(args[1]));
+    Py_XSETREF(self->clock, Py_NewRef(args[2]));
+    Py_XSETREF(self->hostname, Py_NewRef(args[3]));
+    Py_RETURN_NONE;
+}
+
 /* _registry.set_spawn_profile(tracer, greenlet, profile): greenlets that
  * greenlet spawns from now on inherit the profile at that address (0:
  * none).  Without cffi, which would release the GIL.  GQP_OK or a
@@ -931,7 +1171,19 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_finisher_woken, "finisher_woken"},
         {&str_wake_finisher_soon, "_wake_finisher_soon"},
         {&str_sampled, "sampled"}, {&str_empty, ""}, {&str_close, "close"},
-        {&str_finish_where, "finish"},
+        {&str_finish_where, "finish"}, {&str_finalize_py, "_finalize_py"},
+        {&str_deliver, "_deliver"}, {&str_report, "report"},
+        {&str_sink, "sink"}, {&str_outputs, "_outputs"}, {&str_pid, "pid"},
+        {&str_delivered, "delivered"}, {&str_sink_where, "sink"},
+        {&str_loader, "_loader"}, {&str_f_method, "method"},
+        {&str_f_path, "path"}, {&str_f_status, "status"},
+        {&str_f_start, "start"}, {&str_f_end, "end"}, {&str_f_wall, "wall"},
+        {&str_f_calls, "calls"}, {&str_f_dropped_spans, "dropped_spans"},
+        {&str_f_dropped_calls, "dropped_calls"},
+        {&str_f_blocking, "blocking"}, {&str_f_clock, "clock"},
+        {&str_f_sampled_by, "sampled_by"}, {&str_f_request_id, "request_id"},
+        {&str_f_pid, "pid"}, {&str_f_hostname, "hostname"},
+        {&str_f_error, "error"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

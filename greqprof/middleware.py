@@ -222,6 +222,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                              self.inspector is not None or bool(self.observers),
                              self.stats, cfg.calls, self.linger > 0,
                              cfg.max_open, cfg.max_spans, RequestRawProfile)
+            self._finalize_setup(RequestProfile, _collect.request_records,
+                                 cfg.clock, self.hostname)
 
         try:
             configure()
@@ -490,7 +492,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def _linger_deadline(self, req):
         return req.end_ns + int(self.linger * 1e9)
 
-    def _finalize(self, eng, req):
+    # _finalize(eng, req) is MiddlewareBase's, in C (_sampled.c): it does
+    # what _finalize_py does for the common case (this thread's armed
+    # engine, no observers, calls off) and hands the rest to it.
+
+    def _finalize_py(self, eng, req):
         """Closes the profile, builds the RequestProfile and delivers it."""
         if req.greenlet is None:
             return  # already finalized (flush() before the linger ended)

@@ -215,3 +215,63 @@ def test_internal_entry_points_check_their_arguments():
     assert rp.spans() == [] and rp.funcs() == []
     rp.close()
     assert rp.closed
+
+
+class _Observer:
+    """Any observer sends every request through the Python path."""
+
+    def on_profile(self, req, profile):
+        pass
+
+
+def test_a_profile_finalized_in_c_says_what_pythons_says(serve):
+    """Two servers with the same app: one finalizes in C, the other (with
+    an observer) in Python; their profiles carry the same fields."""
+    frames = []
+    fast = serve(spawning_app(frames), pct=1.0, report=False)
+    slow = serve(spawning_app([]), pct=1.0, report=False,
+                 observers=[_Observer()])
+    for s in (fast, slow):
+        for path in ("/a", "/b"):
+            assert s.get(path, headers=[("X-Request-ID", "r" + path)]) \
+                .status == 201
+    a, b = fast.profile_for("/b"), slow.profile_for("/b")
+    da, db = a.to_dict(), b.to_dict()
+    assert sorted(da) == sorted(db)
+    for key in ("method", "path", "status", "request_id", "sampled_by",
+                "clock", "pid", "hostname", "error", "dropped_spans",
+                "dropped_calls", "calls", "blocking"):
+        assert da[key] == db[key], key
+    assert len(da["spans"]) == len(db["spans"]) and da["spans"]
+    assert a.start <= a.end and abs(a.wall - (a.end - a.start)) < 1e-6
+    assert [g["name"] for g in da["greenlets"]] and \
+        len(da["greenlets"]) == len(db["greenlets"])
+    assert fast.mw.stats["delivered"] == 2
+
+
+def test_a_failing_sink_is_logged_once_on_the_c_path(serve, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    calls = []
+
+    def sink(profile):
+        calls.append(profile.path)
+        raise RuntimeError("sink down")
+
+    s = serve(ok(), pct=1.0, report=False, sink=sink, linger=0)
+    for i in range(3):
+        assert s.get("/r%d" % i).status == 200
+    wait_for(lambda: len(calls) == 3, what="three sink calls")
+    errors = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "sink down" in errors[0], errors
+    assert s.mw.stats["errors"] == 3 and s.mw.stats["delivered"] == 3
+    wait_for(lambda: s.mw._open == 0, what="no open profile")
+
+
+def test_finalize_checks_its_arguments():
+    from greqprof import ProfilingMiddleware
+    mw = ProfilingMiddleware(ok(), pct=1.0, blocking_ms=None)
+    with pytest.raises(TypeError):
+        mw._finalize(None)
+    with pytest.raises(TypeError):
+        mw._finalize_setup(None, None, "cpu", "host")
