@@ -234,6 +234,7 @@ typedef struct {
     /* Sampled requests (_sampled.c): */
     int calls;               /* calls=True: Python begins them */
     int linger;              /* linger > 0: the finisher finalizes */
+    long long linger_ns;
     int max_open, open;      /* sampled profiles open at once: cap, count */
     size_t max_spans;
     PyTypeObject *profile_type;   /* _lowlevel.RequestRawProfile */
@@ -498,7 +499,12 @@ static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
     self->slow_only = PyObject_IsTrue(args[4]);
     Py_XSETREF(self->stats, Py_NewRef(args[5]));
     self->calls = PyObject_IsTrue(args[6]);
-    self->linger = PyObject_IsTrue(args[7]);
+    double linger = PyFloat_AsDouble(args[7]);
+    if (linger == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    self->linger = linger > 0;
+    self->linger_ns = (long long)(linger * 1e9);
     self->max_open = (int)max_open;
     self->max_spans = (size_t)max_spans;
     Py_XSETREF(self->profile_type, (PyTypeObject *)Py_NewRef(args[10]));

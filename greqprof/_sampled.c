@@ -923,7 +923,7 @@ static PyObject *build_profile(gqp_mw *mw, gqp_py_thread *st, gqp_req *req)
         {str_loader, loader},
     };
     size_t n = sizeof kv / sizeof kv[0];
-    fields = PyDict_New();
+    fields = _PyDict_NewPresized((Py_ssize_t)n);   /* (no resizes) */
     for (size_t i = 0; i < n; i++) {
         if (fields && (!kv[i].v ||
                        PyDict_SetItem(fields, kv[i].k, kv[i].v) < 0)) {
@@ -1067,6 +1067,73 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* _registry.finish_pending(engine, pending, now): one pass of the
+ * engine's finisher over its queue of (middleware, request): requests
+ * whose greenlets are all done, or whose linger ran out, are finalized;
+ * the others stay queued.  Items queued meanwhile (a sink may switch) are
+ * looked at in the same pass. */
+static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
+                                   Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "finish_pending(engine, pending list, now)");
+        return NULL;
+    }
+    PyObject *pending = args[1];
+    long long now = PyLong_AsLongLong(args[2]);
+    if (now == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *waiting = PyList_New(0);
+    if (!waiting) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pending); i++) {
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(pending, i));
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 ||
+            !PyObject_TypeCheck(PyTuple_GET_ITEM(item, 0), &gqp_mw_type) ||
+            !PyObject_TypeCheck(PyTuple_GET_ITEM(item, 1), &gqp_req_type)) {
+            Py_DECREF(item);
+            continue;   /* (only this file queues) */
+        }
+        gqp_mw *mw = (gqp_mw *)PyTuple_GET_ITEM(item, 0);
+        gqp_req *req = (gqp_req *)PyTuple_GET_ITEM(item, 1);
+        int wait = 0;
+        if (req->greenlet && req->greenlet != Py_None && req->profile &&
+            PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
+            ((gqp_profref *)req->profile)->p &&
+            gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0 &&
+            req->end_ns && PyLong_Check(req->end_ns)) {
+            long long end = PyLong_AsLongLong(req->end_ns);
+            PyErr_Clear();
+            wait = now < end + mw->linger_ns;
+        }
+        if (wait) {
+            if (PyList_Append(waiting, item) < 0) {
+                Py_DECREF(item);
+                Py_DECREF(waiting);
+                return NULL;
+            }
+        } else {
+            PyObject *fargs[] = {args[0], (PyObject *)req};
+            PyObject *r = mw_finalize(mw, fargs, 2);
+            if (!r) {
+                internal_error(mw, str_finish_where);
+            }
+            Py_XDECREF(r);
+        }
+        Py_DECREF(item);
+    }
+    int rc = PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending), waiting);
+    Py_DECREF(waiting);
+    if (rc < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(PyList_GET_SIZE(pending) > 0);
+}
+
 /* _finalize_setup(RequestProfile, request_records, clock, hostname) */
 static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
                                    Py_ssize_t nargs)
@@ -1158,6 +1225,9 @@ static PyMethodDef cpu_windows_def = {
 static PyMethodDef set_spawn_profile_def = {
     "set_spawn_profile", (PyCFunction)(void (*)(void))set_spawn_profile_py,
     METH_FASTCALL, "set_spawn_profile(tracer, greenlet, profile) (internal)."};
+static PyMethodDef finish_pending_def = {
+    "finish_pending", (PyCFunction)(void (*)(void))finish_pending_py,
+    METH_FASTCALL, "finish_pending(engine, pending, now) (internal)."};
 static PyMethodDef new_profile_def = {
     "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
     METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
@@ -1205,7 +1275,8 @@ static int gqp_py_sampled_init(PyObject *reg)
         }
     }
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
-                           &new_profile_def, &set_spawn_profile_def};
+                           &new_profile_def, &set_spawn_profile_def,
+                           &finish_pending_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

@@ -220,7 +220,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._fast_setup(cfg.pct, self._random, self._trigger_key,
                              bool(cfg.blocking_ns),
                              self.inspector is not None or bool(self.observers),
-                             self.stats, cfg.calls, self.linger > 0,
+                             self.stats, cfg.calls, self.linger,
                              cfg.max_open, cfg.max_spans, RequestRawProfile)
             self._finalize_setup(RequestProfile, _collect.request_records,
                                  cfg.clock, self.hostname)
@@ -489,9 +489,6 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         elif eng.finisher_wake is not None:  # (else: not started yet)
             eng.finisher_wake.set()
 
-    def _linger_deadline(self, req):
-        return req.end_ns + int(self.linger * 1e9)
-
     # _finalize(eng, req) is MiddlewareBase's, in C (_sampled.c): it does
     # what _finalize_py does for the common case (this thread's armed
     # engine, no observers, calls off) and hands the rest to it.
@@ -707,16 +704,8 @@ def _finisher_loop(eng):
     while not eng.abandoned:
         # Up and about to look at `pending`: nobody needs to wake it.
         eng.finisher_woken = True
-        now = _lowlevel.wall_ns()
-        waiting = []
-        for mw, req in eng.pending:
-            if req.greenlet is not None and req.profile.attached > 0 and \
-                    now < mw._linger_deadline(req):
-                waiting.append((mw, req))
-            else:
-                mw._finalize(eng, req)
-        eng.pending[:] = waiting   # (in place: the C path appends to it)
-        if waiting:
+        # (in C: finalizes the queued requests that are done)
+        if _registry.finish_pending(eng, eng.pending, _lowlevel.wall_ns()):
             gevent.sleep(0.005)
             continue
         gevent.sleep(FINISH_BATCH_S)

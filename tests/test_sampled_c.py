@@ -275,3 +275,9 @@ def test_finalize_checks_its_arguments():
         mw._finalize(None)
     with pytest.raises(TypeError):
         mw._finalize_setup(None, None, "cpu", "host")
+    with pytest.raises(TypeError):
+        _registry.finish_pending(None, (), 0)
+    # foreign items are left out, an empty queue says: nothing waits
+    pending = [("not", "a request")]
+    assert _registry.finish_pending(None, pending, 0) is False
+    assert pending == []
