@@ -172,8 +172,7 @@ static PyObject *note_py(PyObject *self, PyObject *const *args,
                          Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "note takes 5 arguments");
+    if (want_args(nargs, 5, "note") < 0) {
         return NULL;
     }
     gqp_py_thread *st = hooks_arg(args[0]);
@@ -192,8 +191,7 @@ static PyObject *request_note_py(PyObject *self, PyObject *const *args,
                                  Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "request_note takes 2 arguments");
+    if (want_args(nargs, 2, "request_note") < 0) {
         return NULL;
     }
     gqp_py_thread *st = hooks_arg(args[0]);
@@ -326,17 +324,17 @@ static PyObject *call_method2(PyObject *self, PyObject *name, PyObject *a,
     return PyObject_VectorcallMethod(name, args, 3, NULL);
 }
 
-/* requests += 1 in the stats dict (which Python code also updates). */
-static void count_request(gqp_mw *self)
+/* stats[key] += 1 (the dict Python code also updates). */
+static void count_stat(gqp_mw *self, PyObject *key)
 {
     if (!self->stats || !PyDict_CheckExact(self->stats)) {
         return;
     }
-    PyObject *old = PyDict_GetItemWithError(self->stats, str_requests);
+    PyObject *old = PyDict_GetItemWithError(self->stats, key);
     long long n = old && PyLong_CheckExact(old) ? PyLong_AsLongLong(old) : -1;
     PyObject *next = n >= 0 ? PyLong_FromLongLong(n + 1) : NULL;
     if (next) {
-        PyDict_SetItem(self->stats, str_requests, next);
+        PyDict_SetItem(self->stats, key, next);
         Py_DECREF(next);
     }
     PyErr_Clear();
@@ -376,15 +374,16 @@ static gqp_py_thread *armed(gqp_mw *self)
     return st;
 }
 
-/* The draw failed (a raising rng): greqprof never breaks the app, so the
- * error goes to _internal_error and the request is not profiled. */
-static void draw_failed(gqp_mw *self)
+/* An error of greqprof's (the exception set) goes to
+ * _internal_error(where, exc), which logs it once and counts it: greqprof
+ * never breaks the app.  Clears the exception; never fails. */
+static void internal_error(gqp_mw *mw, PyObject *where)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
-    PyObject *r = value ? call_method2((PyObject *)self, str_internal_error,
-                                       str_begin, value) : NULL;
+    PyObject *r = value ? call_method2((PyObject *)mw, str_internal_error,
+                                       where, value) : NULL;
     Py_XDECREF(r);
     Py_XDECREF(type);
     Py_XDECREF(value);
@@ -441,12 +440,12 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         double x = r ? PyFloat_AsDouble(r) : -1.0;
         Py_XDECREF(r);
         if (!r || (x == -1.0 && PyErr_Occurred())) {
-            draw_failed(self);
+            internal_error(self, str_begin);   /* a raising rng */
             return call2(self->app, environ, start_response);
         }
         sampled = x < self->pct;
     }
-    count_request(self);
+    count_stat(self, str_requests);
     if (sampled) {
         return sampled_call(self, st ? st : armed(self), environ,
                             start_response);
@@ -469,8 +468,7 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
 static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
                                Py_ssize_t nargs)
 {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "_fast_setup takes 11 arguments");
+    if (want_args(nargs, 11, "_fast_setup") < 0) {
         return NULL;
     }
     double pct = PyFloat_AsDouble(args[0]);
@@ -517,8 +515,7 @@ static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
 static PyObject *mw_arm(gqp_mw *self, PyObject *const *args,
                         Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "_arm takes 3 arguments");
+    if (want_args(nargs, 3, "_arm") < 0) {
         return NULL;
     }
     gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);

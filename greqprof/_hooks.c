@@ -57,6 +57,17 @@ static PyTypeObject gqp_hookref_type = {
     .tp_doc = "greqprof hook state (internal)",
 };
 
+/* The argument count check of the METH_FASTCALL functions below: 0, or
+ * -1 with a TypeError naming the function. */
+static int want_args(Py_ssize_t nargs, Py_ssize_t n, const char *name)
+{
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, n);
+        return -1;
+    }
+    return 0;
+}
+
 /* Fetched from greqprof._registry by gqp_py_init. */
 static PyObject *reg_codes;     /* func key -> code object | C-func info */
 static PyObject *reg_stacks;    /* tag -> stack text */
@@ -1019,8 +1030,7 @@ static PyObject *attach_fast(PyObject *self, PyObject *const *args,
                              Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "attach takes 3 arguments");
+    if (want_args(nargs, 3, "attach") < 0) {
         return NULL;
     }
     gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
@@ -1043,8 +1053,7 @@ static PyObject *greenlet_id_fast(PyObject *self, PyObject *const *args,
                                   Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "greenlet_id takes 2 arguments");
+    if (want_args(nargs, 2, "greenlet_id") < 0) {
         return NULL;
     }
     gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(args[0]);
@@ -1288,8 +1297,7 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
                               Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "read_profile takes 6 arguments");
+    if (want_args(nargs, 6, "read_profile") < 0) {
         return NULL;
     }
     gqp_profile *p = (gqp_profile *)PyLong_AsVoidPtr(args[0]);

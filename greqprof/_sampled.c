@@ -53,8 +53,7 @@ static PyObject *profile_window_py(PyObject *self, PyObject *const *args,
                                    Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "profile_window takes 2 arguments");
+    if (want_args(nargs, 2, "profile_window") < 0) {
         return NULL;
     }
     gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
@@ -73,8 +72,7 @@ static PyObject *cpu_windows_py(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "cpu_windows takes 2 arguments");
+    if (want_args(nargs, 2, "cpu_windows") < 0) {
         return NULL;
     }
     long long busy = PyLong_AsLongLong(args[0]);
@@ -428,16 +426,7 @@ static void req_finish_quiet(gqp_mw *mw, gqp_req *req)
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     if (req_finish(mw, req) < 0) {
-        PyObject *t2, *v2, *tb2;
-        PyErr_Fetch(&t2, &v2, &tb2);
-        PyErr_NormalizeException(&t2, &v2, &tb2);
-        PyObject *r = v2 ? call_method2((PyObject *)mw, str_internal_error,
-                                        str_finish_where, v2) : NULL;
-        Py_XDECREF(r);
-        Py_XDECREF(t2);
-        Py_XDECREF(v2);
-        Py_XDECREF(tb2);
-        PyErr_Clear();
+        internal_error(mw, str_finish_where);
     }
     PyErr_Restore(type, value, tb);
 }
@@ -727,22 +716,6 @@ static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
     return s;
 }
 
-/* stats[key] += 1 (the dict Python code also updates). */
-static void count_stat(gqp_mw *self, PyObject *key)
-{
-    if (!self->stats || !PyDict_CheckExact(self->stats)) {
-        return;
-    }
-    PyObject *old = PyDict_GetItemWithError(self->stats, key);
-    long long n = old && PyLong_CheckExact(old) ? PyLong_AsLongLong(old) : -1;
-    PyObject *next = n >= 0 ? PyLong_FromLongLong(n + 1) : NULL;
-    if (next) {
-        PyDict_SetItem(self->stats, key, next);
-        Py_DECREF(next);
-    }
-    PyErr_Clear();
-}
-
 /* A new Request for the running greenlet of st, sampled into a fresh
  * profile; NULL (and no exception) when this case is not for C: the
  * caller hands the request to Python, which also reports failures. */
@@ -854,22 +827,6 @@ static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
     *str_f_wall, *str_f_calls, *str_f_dropped_spans, *str_f_dropped_calls,
     *str_f_blocking, *str_f_clock, *str_f_sampled_by, *str_f_request_id,
     *str_f_pid, *str_f_hostname, *str_f_error;
-
-/* Logs an error of greqprof's (the exception set) through
- * _internal_error(where, exc); never fails. */
-static void internal_error(gqp_mw *mw, PyObject *where)
-{
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    PyObject *r = value ? call_method2((PyObject *)mw, str_internal_error,
-                                       where, value) : NULL;
-    Py_XDECREF(r);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-    PyErr_Clear();
-}
 
 /* The RequestProfile of a closed request: its rows read out by
  * read_profile (_hooks.c), the other fields given now; what _build does
@@ -1158,9 +1115,7 @@ static PyObject *set_spawn_profile_py(PyObject *self, PyObject *const *args,
                                       Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError,
-                        "set_spawn_profile takes 3 arguments");
+    if (want_args(nargs, 3, "set_spawn_profile") < 0) {
         return NULL;
     }
     gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(args[0]);
