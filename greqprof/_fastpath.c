@@ -341,16 +341,26 @@ static void count_stat(gqp_mw *self, PyObject *key)
 }
 
 /* The armed thread state, if this thread's engine is ready for the fast
- * path (hooks active).  The running greenlet begins a new request: if its
+ * path (hooks active); armed() also prepares the running greenlet, which
+ * begins a new request: if its
  * previous one is a sampled request still lingering (waiting for its
  * children), what it spawns from now on is no longer that request's
  * (Python's _stop_lingering).  On a keep-alive connection that is the
  * common case at a high pct: the finisher finalizes in batches. */
-static gqp_py_thread *armed(gqp_mw *self)
+static gqp_py_thread *armed_state(gqp_mw *self)
 {
     gqp_py_thread *st = gqp__tls;
     if (!st || st != self->armed_st || st->gen != self->armed_gen ||
         !st->active || !st->tracer || !self->armed_eng) {
+        return NULL;
+    }
+    return st;
+}
+
+static gqp_py_thread *armed(gqp_mw *self)
+{
+    gqp_py_thread *st = armed_state(self);
+    if (!st) {
         return NULL;
     }
     if (PyDict_GET_SIZE(self->lingering) != 0) {

@@ -74,6 +74,7 @@ static PyObject *reg_stacks;    /* tag -> stack text */
 static PyObject *reg_long;      /* list of long-span records */
 static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
 static PyObject *greenlet_settrace;
+static PyObject *greenlet_getcurrent;
 static getter dead_getter;
 static getter frame_getter;
 static getter parent_getter;
@@ -154,6 +155,7 @@ static int gqp_py_init(void)
     PyErr_Clear();
     PyObject *gtype = PyObject_GetAttrString(gm, "greenlet");
     greenlet_settrace = PyObject_GetAttrString(gm, "settrace");
+    greenlet_getcurrent = PyObject_GetAttrString(gm, "getcurrent");
     reg_codes = PyObject_GetAttrString(reg, "codes");
     reg_stacks = PyObject_GetAttrString(reg, "stacks");
     reg_long = PyObject_GetAttrString(reg, "long_spans");
@@ -182,7 +184,7 @@ static int gqp_py_init(void)
         Py_CLEAR(reg_codes);
         goto out;
     }
-    if (greenlet_settrace && reg_codes && reg_stacks && reg_long && reg_names &&
+    if (greenlet_settrace && greenlet_getcurrent && reg_codes && reg_stacks && reg_long && reg_names &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {

@@ -335,10 +335,8 @@ static PyObject *str_finish, *str_finalize, *str_drain_blocking,
  * (they see the end of the response: Python). */
 static gqp_py_thread *finish_here(gqp_mw *mw, gqp_req *req)
 {
-    gqp_py_thread *st = gqp__tls;
-    if (!st || st != mw->armed_st || st->gen != mw->armed_gen ||
-        !st->active || !st->tracer || mw->slow_only || !mw->armed_eng ||
-        req->engine != mw->armed_eng || !req->profile ||
+    gqp_py_thread *st = armed_state(mw);
+    if (!st || mw->slow_only || req->engine != mw->armed_eng || !req->profile ||
         !PyObject_TypeCheck(req->profile, &gqp_profref_type) ||
         !req->greenlet || req->greenlet == Py_None || !req->generation ||
         PyLong_AsLong(req->generation) != mw->armed_fork_gen) {
@@ -373,17 +371,8 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
      * this request's; greenlets it spawned still are. */
     gqp_profile *p = ((gqp_profref *)req->profile)->p;
     attach_greenlet(st, req->greenlet, NULL);
-    if (PyList_GET_SIZE(reg_long) > 0) {
-        /* Long spans to report while the request is still registered. */
-        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
-                                                str_drain_blocking,
-                                                mw->armed_eng);
-        if (!r) {
-            return -1;
-        }
-        Py_DECREF(r);
-    }
     if (!mw->linger) {
+        /* (_finalize drains the long spans first) */
         PyObject *args[] = {(PyObject *)mw, mw->armed_eng, (PyObject *)req};
         PyObject *r = PyObject_VectorcallMethod(str_finalize, args, 3, NULL);
         Py_XDECREF(r);
@@ -403,20 +392,30 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     if (rc < 0) {
         return -1;
     }
-    PyObject *woken = PyObject_GetAttr(mw->armed_eng, str_finisher_woken);
+    /* Python from here on (a logging handler may switch greenlets): mw's
+     * armed state is not looked at again. */
+    PyObject *eng = Py_NewRef(mw->armed_eng);
+    if (PyList_GET_SIZE(reg_long) > 0) {
+        /* Blocking spans reported when the request ends, named after it
+         * (it stays registered until it is finalized). */
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                str_drain_blocking, eng);
+        if (!r) {
+            internal_error(mw, str_finish_where);
+        }
+        Py_XDECREF(r);
+    }
+    PyObject *woken = PyObject_GetAttr(eng, str_finisher_woken);
     int is_woken = woken ? PyObject_IsTrue(woken) : -1;
     Py_XDECREF(woken);
-    if (is_woken < 0) {
-        return -1;
-    }
-    if (!is_woken) {
+    if (is_woken == 0) {
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
-                                                str_wake_finisher_soon,
-                                                mw->armed_eng);
+                                                str_wake_finisher_soon, eng);
+        is_woken = r ? 1 : -1;
         Py_XDECREF(r);
-        return r ? 0 : -1;
     }
-    return 0;
+    Py_DECREF(eng);
+    return is_woken < 0 ? -1 : 0;
 }
 
 /* req_finish for the body wrappers and the app-raised path: an error in
@@ -726,11 +725,6 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
         !self->profile_type || self->open >= self->max_open) {
         return NULL;
     }
-    uint64_t key = 0;
-    if (gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK || !key) {
-        return NULL;
-    }
-    PyObject *g = (PyObject *)(uintptr_t)key;   /* running, so alive */
     gqp_req *req = PyObject_GC_New(gqp_req, &gqp_req_type);
     if (!req) {
         PyErr_Clear();
@@ -758,6 +752,18 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
     if (!req->request_id || !req->method || !req->path || !req->profile) {
         goto fail;
     }
+    /* The running greenlet, as greenlet knows it (the tracer's idea of it
+     * would be stale if another tool replaced the switch hook), and still
+     * this thread's armed state (str() of an environ value runs code). */
+    PyObject *g = PyObject_CallNoArgs(greenlet_getcurrent);
+    uint64_t key = 0;
+    if (!g || st != armed_state(self) ||
+        gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK ||
+        key != (uint64_t)(uintptr_t)g) {
+        Py_XDECREF(g);
+        goto fail;
+    }
+    Py_DECREF(g);   /* (the running greenlet is alive: req takes a ref) */
     req->start_ns = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
     req->blocking = PyList_New(0);
     req->generation = PyLong_FromLong(self->armed_fork_gen);
@@ -963,6 +969,21 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
         !self->calls && args[0] == self->armed_eng) {
         st = finish_here(self, req);
     }
+    if (st && PyList_GET_SIZE(reg_long) > 0) {
+        /* Drained while the request is still registered, so its blocking
+         * spans are named after it.  (Python: checked again after.) */
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
+                                                str_drain_blocking, args[0]);
+        if (!r) {
+            internal_error(self, str_finish_where);
+        }
+        Py_XDECREF(r);
+        st = req->greenlet && req->greenlet != Py_None &&
+             args[0] == self->armed_eng ? finish_here(self, req) : NULL;
+        if (!req->greenlet || req->greenlet == Py_None) {
+            Py_RETURN_NONE;
+        }
+    }
     if (!st) {
         PyObject *fwd[] = {(PyObject *)self, args[0], args[1]};
         return PyObject_VectorcallMethod(str_finalize_py, fwd, 3, NULL);
@@ -990,16 +1011,6 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     if (self->open > 0) {
         self->open--;
     }
-    /* Drained while the request is still registered, so its blocking
-     * spans are named after it. */
-    if (PyList_GET_SIZE(reg_long) > 0) {
-        PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
-                                                str_drain_blocking, args[0]);
-        if (!r) {
-            internal_error(self, str_finish_where);
-        }
-        Py_XDECREF(r);
-    }
     PyObject *profile = build_profile(self, st, req);
     if (profile) {
         deliver(self, profile);
@@ -1007,16 +1018,21 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     } else {
         internal_error(self, str_finish_where);
     }
-    /* (Python's finally:) */
+    /* (Python's finally:) the sink ran Python, so the engine's dicts are
+     * looked up again. */
     Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
-    if (req->gid && PyDict_GetItemWithError(self->requests, req->gid) ==
-                        (PyObject *)req) {
-        PyDict_DelItem(self->requests, req->gid);
+    PyObject *requests = PyObject_GetAttr(args[0], str_requests_attr);
+    PyObject *by_addr = PyObject_GetAttr(args[0], str_profile_requests);
+    if (requests && PyDict_Check(requests) && req->gid &&
+        PyDict_GetItemWithError(requests, req->gid) == (PyObject *)req) {
+        PyDict_DelItem(requests, req->gid);
     }
-    if (req->addr && PyDict_GetItemWithError(self->profile_requests,
-                                             req->addr) == (PyObject *)req) {
-        PyDict_DelItem(self->profile_requests, req->addr);
+    if (by_addr && PyDict_Check(by_addr) && req->addr &&
+        PyDict_GetItemWithError(by_addr, req->addr) == (PyObject *)req) {
+        PyDict_DelItem(by_addr, req->addr);
     }
+    Py_XDECREF(requests);
+    Py_XDECREF(by_addr);
     PyErr_Clear();
     Py_DECREF(prof);
     Py_DECREF(g);

@@ -281,3 +281,28 @@ def test_finalize_checks_its_arguments():
     pending = [("not", "a request")]
     assert _registry.finish_pending(None, pending, 0) is False
     assert pending == []
+
+
+def test_a_replaced_switch_hook_sends_sampled_requests_to_python(serve):
+    """Another tool replaces greenlet's trace function after greqprof's
+    hooks are in: the tracer's idea of the running greenlet goes stale, so
+    the C path must not trust it (it checks greenlet.getcurrent())."""
+    import greenlet
+    frames = []
+    s = serve(spawning_app(frames), pct=1.0, linger=0)
+    assert s.get("/warm-up").status == 201
+    assert s.get("/c-path").status == 201
+    assert frames[1] == []
+    ours = greenlet.gettrace()
+    try:
+        greenlet.settrace(None)
+        for i in range(3):
+            assert s.get("/after%d" % i).status == 201
+    finally:
+        greenlet.settrace(ours)
+    s.wait_profiles(5)
+    assert {p.path for p in s.profiles} >= {"/after0", "/after1", "/after2"}
+    # a request served in another connection greenlet than the tracer last
+    # saw: not begun in C
+    assert any(f for f in frames[2:]), frames
+    wait_for(lambda: s.mw._open == 0, what="no open profile")
