@@ -473,6 +473,23 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     return call2(self->app, environ, start_response);
 }
 
+/* _set_linger(seconds): how long finished sampled requests wait for the
+ * greenlets they spawned (ProfilingMiddleware.linger's setter). */
+static PyObject *mw_set_linger(gqp_mw *self, PyObject *arg)
+{
+    double linger = PyFloat_AsDouble(arg);
+    if (linger == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!(linger >= 0.0 && linger <= 1e9)) {
+        PyErr_SetString(PyExc_ValueError, "linger must be >= 0 seconds");
+        return NULL;
+    }
+    self->linger = linger > 0;
+    self->linger_ns = (long long)(linger * 1e9);
+    Py_RETURN_NONE;
+}
+
 /* _fast_setup(pct, rng, trigger_key, blocking, slow_only, stats, calls,
  *             linger, max_open, max_spans, profile_type) */
 static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
@@ -507,12 +524,11 @@ static PyObject *mw_fast_setup(gqp_mw *self, PyObject *const *args,
     self->slow_only = PyObject_IsTrue(args[4]);
     Py_XSETREF(self->stats, Py_NewRef(args[5]));
     self->calls = PyObject_IsTrue(args[6]);
-    double linger = PyFloat_AsDouble(args[7]);
-    if (linger == -1.0 && PyErr_Occurred()) {
+    PyObject *r = mw_set_linger(self, args[7]);
+    if (!r) {
         return NULL;
     }
-    self->linger = linger > 0;
-    self->linger_ns = (long long)(linger * 1e9);
+    Py_DECREF(r);
     self->max_open = (int)max_open;
     self->max_spans = (size_t)max_spans;
     Py_XSETREF(self->profile_type, (PyTypeObject *)Py_NewRef(args[10]));
@@ -651,6 +667,8 @@ static PyMethodDef mw_methods[] = {
      "Closes a request's profile and delivers it (internal)."},
     {"_finalize_setup", (PyCFunction)(void (*)(void))mw_finalize_setup,
      METH_FASTCALL, "Sets what _finalize puts in profiles (internal)."},
+    {"_set_linger", (PyCFunction)mw_set_linger, METH_O,
+     "Sets the linger of sampled requests, in seconds (internal)."},
     {"_open_acquire", (PyCFunction)mw_open_acquire, METH_NOARGS,
      "Counts one more open profile if max_open allows (internal)."},
     {"_open_release", (PyCFunction)mw_open_release, METH_NOARGS,

@@ -167,11 +167,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 from .otel import OtelObserver
                 self.observers.append(
                     OtelObserver(child_spans=opts["otel_spans"]))
-            if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
-                    or not math.isfinite(linger) or linger < 0:
-                raise ConfigError("linger must be a number of seconds >= 0, got "
-                                  "%r" % (linger,))
-            self.linger = float(linger)
+            self.linger = linger
             self.config = _Config(pct, calls, clock, blocking_ms, max_spans,
                                   stacks, watchdog, max_open)
             if sink is not None and not callable(sink):
@@ -229,6 +225,21 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             configure()
         except ConfigError as e:
             raise config.name_source(e, sources) from None
+
+    @property
+    def linger(self):
+        """Seconds a finished sampled request waits for the greenlets it
+        spawned (assignable; the C path follows)."""
+        return self._linger
+
+    @linger.setter
+    def linger(self, linger):
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
+                or not math.isfinite(linger) or linger < 0:
+            raise ConfigError("linger must be a number of seconds >= 0, got "
+                              "%r" % (linger,))
+        self._set_linger(float(linger))
+        self._linger = float(linger)
 
     def flush(self):
         """Finishes, at once, the profiles of this thread that are still

@@ -306,3 +306,21 @@ def test_a_replaced_switch_hook_sends_sampled_requests_to_python(serve):
     # saw: not begun in C
     assert any(f for f in frames[2:]), frames
     wait_for(lambda: s.mw._open == 0, what="no open profile")
+
+
+def test_linger_can_be_changed_at_run_time(serve):
+    """The C path's finisher follows mw.linger: set to 0, a profile whose
+    child is still running is delivered at once, not after 2 s."""
+    def app(environ, start_response):
+        gevent.spawn(gevent.sleep, 1.0)   # a child still running
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=2.0)
+    assert s.get("/warm-up").status == 200
+    s.mw.linger = 0
+    assert s.mw.linger == 0.0
+    assert s.get("/now").status == 200
+    s.profile_for("/now", timeout=0.5)
+    with pytest.raises(Exception, match="linger"):
+        s.mw.linger = -1
+    assert s.mw.linger == 0.0
