@@ -117,7 +117,7 @@ def func_stats(raw_profiles):
     return out
 
 
-#: rows of _registry.read_profile's bytes (_hooks.c): a gqp_span, and
+#: rows of read_profile's bytes (_hooks.c): a gqp_span, and
 #: (id, wall_ns, cpu_ns, switches, first_ns, last_ns, finished)
 SPAN_ROW = struct.Struct("=QqqqII")
 GREENLET_ROW = struct.Struct("=QqqQqqQ")
@@ -125,7 +125,7 @@ GREENLET_ROW = struct.Struct("=QqqQqqQ")
 
 def request_records(raw):
     """The deferred fields of a request's RequestProfile (see
-    RequestProfile._deferred), from what _registry.read_profile read out
+    RequestProfile's "_loader"), from what read_profile (_hooks.c) read out
     when the request was finalized."""
     (span_rows, greenlet_rows, longest, _end, wait_ns, top, complete,
      _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw

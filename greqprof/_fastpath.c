@@ -41,19 +41,26 @@ static void note_clear(gqp_note *n)
     Py_CLEAR(n->rid);
 }
 
-/* v if it is a str (cut to max characters), else NULL; a new reference. */
+/* str(v)[:max]: a new reference, or NULL with an exception set. */
+static PyObject *str_cut(PyObject *v, Py_ssize_t max)
+{
+    PyObject *s = PyUnicode_CheckExact(v) ? Py_NewRef(v) : PyObject_Str(v);
+    if (s && PyUnicode_GET_LENGTH(s) > max) {
+        Py_SETREF(s, PyUnicode_Substring(s, 0, max));
+    }
+    return s;
+}
+
+/* v if it is a str (cut to max characters), else NULL; a new reference
+ * (notes keep str only: str() of anything else could run code). */
 static PyObject *note_str(PyObject *v, Py_ssize_t max)
 {
     if (!v || !PyUnicode_CheckExact(v)) {
         return NULL;
     }
-    if (PyUnicode_GET_LENGTH(v) > max) {
-        PyObject *cut = PyUnicode_Substring(v, 0, max);
-        PyErr_Clear();
-        return cut;
-    }
-    Py_INCREF(v);
-    return v;
+    PyObject *cut = str_cut(v, max);
+    PyErr_Clear();
+    return cut;
 }
 
 /* Notes the request greenlet gid begins now (GIL held).  Out of memory:
@@ -258,6 +265,8 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
                              Py_ssize_t nargs);
 static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
                                    Py_ssize_t nargs);
+static PyObject *mw_build_profile(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs);
 static int gqp_py_sampled_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests,
@@ -665,6 +674,8 @@ static PyMethodDef mw_methods[] = {
      METH_FASTCALL, "Runs the app for an open request (internal)."},
     {"_finalize", (PyCFunction)(void (*)(void))mw_finalize, METH_FASTCALL,
      "Closes a request's profile and delivers it (internal)."},
+    {"_build_profile", (PyCFunction)(void (*)(void))mw_build_profile,
+     METH_FASTCALL, "Builds the RequestProfile of a request (internal)."},
     {"_finalize_setup", (PyCFunction)(void (*)(void))mw_finalize_setup,
      METH_FASTCALL, "Sets what _finalize puts in profiles (internal)."},
     {"_set_linger", (PyCFunction)mw_set_linger, METH_O,
@@ -704,7 +715,8 @@ static int gqp_py_fast_init(PyObject *reg)
         {&str_profile_requests, "profile_requests"}, {&str_pending, "pending"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
-        if (!*strs[i].s && !(*strs[i].s = PyUnicode_InternFromString(strs[i].v))) {
+        if (!*strs[i].s &&
+            !(*strs[i].s = PyUnicode_InternFromString(strs[i].v))) {
             return -1;
         }
     }

@@ -105,7 +105,6 @@ static getter find_getter(PyObject *type, const char *name)
 }
 
 /* defined with their functions below */
-static PyMethodDef read_profile_def;
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
 static PyMethodDef running_since_def;
@@ -166,7 +165,7 @@ static int gqp_py_init(void)
         parent_getter = find_getter(gtype, "parent");
     }
     Py_XDECREF(gtype);
-    PyMethodDef *defs[] = {&read_profile_def, &attach_def,
+    PyMethodDef *defs[] = {&attach_def,
                            &greenlet_id_def, &running_since_def,
                            &wall_ns_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -184,7 +183,8 @@ static int gqp_py_init(void)
         Py_CLEAR(reg_codes);
         goto out;
     }
-    if (greenlet_settrace && greenlet_getcurrent && reg_codes && reg_stacks && reg_long && reg_names &&
+    if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
+        reg_stacks && reg_long && reg_names &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
@@ -1167,7 +1167,7 @@ GQP_PY_READER(gqp_py_read_edges, gqp_edge_stat, gqp_profile_edge)
 GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
 
 /* ---- one-call profile reader ------------------------------------------ */
-/* _registry.read_profile(profile, tracer, start_ns, end_ns, top, take):
+/* read_profile(profile, tracer, start_ns, end_ns, top, take) (build_profile):
  * what a request's RequestProfile needs, read out in one call, because its
  * sources do not last: the profile's memory goes when the request is
  * finalized, the tracer's history moves on, and the registry drops stacks
@@ -1324,7 +1324,8 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
 
     /* spans: copied into the bytes object as they are */
     size_t n = gqp_profile_span_count(p);
-    spans = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(gqp_span)));
+    spans = PyBytes_FromStringAndSize(NULL,
+                                      (Py_ssize_t)(n * sizeof(gqp_span)));
     if (!spans) {
         goto done;
     }
@@ -1499,10 +1500,6 @@ done:
     return res;
 }
 
-static PyMethodDef read_profile_def = {
-    "read_profile", (PyCFunction)(void (*)(void))read_profile, METH_FASTCALL,
-    "Everything a request report needs from a profile, in one call "
-    "(internal)."};
 
 /* ---- fault injection (tests only) ------------------------------------ */
 /* After `after` more successful allocations, the next `count` fail.  The

@@ -60,26 +60,11 @@ class ClockOrigin:
         return (self.epoch_origin + (wall_ns - self.wall_origin)) * NS
 
 
-class RawProfile:
-    """Owns one gqp_profile."""
+class _ProfileReaders:
+    """The readers of a profile, over ``self.ptr`` (cffi): shared by
+    RawProfile and RequestRawProfile."""
 
-    def __init__(self, max_spans=10000, keep="first", max_funcs=65536,
-                 max_greenlets=65536):
-        out = ffi.new("gqp_profile **")
-        _check(lib.gqp_profile_new(out), "gqp_profile_new")
-        self.ptr = ffi.gc(out[0], lib.gqp_profile_free)
-        # Only what differs from the library's defaults: one profile is
-        # made per sampled request.
-        if max_spans != 10000:
-            self._set(lib.GQP_PROFILE_MAX_SPANS, max_spans, "max_spans")
-        if keep == "last":
-            self._set(lib.GQP_PROFILE_SPAN_POLICY, lib.GQP_KEEP_LAST, "keep")
-        if max_funcs != 65536:
-            self._set(lib.GQP_PROFILE_MAX_FUNCS, max_funcs, "max_funcs")
-            self._set(lib.GQP_PROFILE_MAX_EDGES, max_funcs * 4, "max_edges")
-        if max_greenlets != 65536:
-            self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
-                      "max_greenlets")
+    __slots__ = ()
 
     @property
     def epoch_origin(self):
@@ -89,24 +74,9 @@ class RawProfile:
     def wall_origin(self):
         return lib.gqp_profile_wall_origin(self.ptr)
 
-    def _set(self, param, value, name):
-        _check(lib.gqp_profile_set(self.ptr, param, int(value)),
-               "setting %s=%r" % (name, value))
-
     def to_epoch(self, wall_ns):
         """Seconds since the epoch for a wall-clock reading in ns."""
         return (self.epoch_origin + (wall_ns - self.wall_origin)) * NS
-
-    def close(self):
-        if not lib.gqp_profile_is_closed(self.ptr):
-            _check(lib.gqp_profile_close(self.ptr), "gqp_profile_close")
-
-    @property
-    def closed(self):
-        return bool(lib.gqp_profile_is_closed(self.ptr))
-
-    def clear(self):
-        _check(lib.gqp_profile_clear(self.ptr), "gqp_profile_clear")
 
     def spans(self):
         n = lib.gqp_profile_span_count(self.ptr)
@@ -155,11 +125,6 @@ class RawProfile:
         return out
 
     @property
-    def attached(self):
-        """Live greenlets whose spans go to this profile."""
-        return lib.gqp_profile_attached(self.ptr)
-
-    @property
     def calls_dropped(self):
         return lib.gqp_profile_calls_dropped(self.ptr)
 
@@ -168,26 +133,55 @@ class RawProfile:
         return lib.gqp_profile_greenlets_dropped(self.ptr)
 
 
-class RequestRawProfile(_registry.ProfileRef):
+class RawProfile(_ProfileReaders):
+    """Owns one gqp_profile."""
+
+    def __init__(self, max_spans=10000, keep="first", max_funcs=65536,
+                 max_greenlets=65536):
+        out = ffi.new("gqp_profile **")
+        _check(lib.gqp_profile_new(out), "gqp_profile_new")
+        self.ptr = ffi.gc(out[0], lib.gqp_profile_free)
+        # Only what differs from the library's defaults: one profile is
+        # made per sampled request.
+        if max_spans != 10000:
+            self._set(lib.GQP_PROFILE_MAX_SPANS, max_spans, "max_spans")
+        if keep == "last":
+            self._set(lib.GQP_PROFILE_SPAN_POLICY, lib.GQP_KEEP_LAST, "keep")
+        if max_funcs != 65536:
+            self._set(lib.GQP_PROFILE_MAX_FUNCS, max_funcs, "max_funcs")
+            self._set(lib.GQP_PROFILE_MAX_EDGES, max_funcs * 4, "max_edges")
+        if max_greenlets != 65536:
+            self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
+                      "max_greenlets")
+
+    def _set(self, param, value, name):
+        _check(lib.gqp_profile_set(self.ptr, param, int(value)),
+               "setting %s=%r" % (name, value))
+
+    def close(self):
+        if not lib.gqp_profile_is_closed(self.ptr):
+            _check(lib.gqp_profile_close(self.ptr), "gqp_profile_close")
+
+    @property
+    def closed(self):
+        return bool(lib.gqp_profile_is_closed(self.ptr))
+
+    def clear(self):
+        _check(lib.gqp_profile_clear(self.ptr), "gqp_profile_clear")
+
+    @property
+    def attached(self):
+        """Live greenlets whose spans go to this profile."""
+        return lib.gqp_profile_attached(self.ptr)
+
+
+class RequestRawProfile(_registry.ProfileRef, _ProfileReaders):
     """One request's profile: owned by C (_sampled.c's ProfileRef, which
-    the C request path makes without cffi), read like a RawProfile.  No
-    instance dict: one container fewer for the garbage collector to track
-    per sampled request."""
+    the C request path makes without cffi, and which has its close(),
+    closed, attached and addr), read like a RawProfile.  No instance
+    dict."""
 
     __slots__ = ()
-
-    # RawProfile's readers (they only use self.ptr)
-    epoch_origin = RawProfile.epoch_origin
-    wall_origin = RawProfile.wall_origin
-    to_epoch = RawProfile.to_epoch
-    spans = RawProfile.spans
-    spans_dropped = RawProfile.spans_dropped
-    longest = RawProfile.longest
-    funcs = RawProfile.funcs
-    edges = RawProfile.edges
-    greenlets = RawProfile.greenlets
-    calls_dropped = RawProfile.calls_dropped
-    greenlets_dropped = RawProfile.greenlets_dropped
 
     @classmethod
     def for_request(cls, max_spans):

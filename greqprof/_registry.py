@@ -15,10 +15,6 @@ stacks = {}
 long_spans = []
 #: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
 names = {}
-#: read_profile(profile_address, tracer_address, start_ns, end_ns, top,
-#: take): what a request's profile needs, read out in one call (a C
-#: function set by the hooks' initialisation; see _hooks.c)
-read_profile = None
 #: attach(hooks_address, greenlet, profile_address): attaches a greenlet
 #: of the hooks' thread to a profile (0: detaches) and returns its id (a C
 #: function, see _hooks.c)

@@ -327,7 +327,8 @@ static void req_note_error(gqp_req *req, int keep_first)
 /* ---- finishing a request ------------------------------------------------ */
 
 static PyObject *str_finish, *str_finalize, *str_drain_blocking,
-    *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty, *str_close,
+    *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
+    *str_close,
     *str_finish_where;
 
 /* The armed thread state when req (which has a profile) can be finished
@@ -336,7 +337,8 @@ static PyObject *str_finish, *str_finalize, *str_drain_blocking,
 static gqp_py_thread *finish_here(gqp_mw *mw, gqp_req *req)
 {
     gqp_py_thread *st = armed_state(mw);
-    if (!st || mw->slow_only || req->engine != mw->armed_eng || !req->profile ||
+    if (!st || mw->slow_only || req->engine != mw->armed_eng ||
+        !req->profile ||
         !PyObject_TypeCheck(req->profile, &gqp_profref_type) ||
         !req->greenlet || req->greenlet == Py_None || !req->generation ||
         PyLong_AsLong(req->generation) != mw->armed_fork_gen) {
@@ -708,11 +710,7 @@ static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
     if (!v) {
         return PyErr_Occurred() ? NULL : Py_NewRef(str_empty);
     }
-    PyObject *s = PyUnicode_CheckExact(v) ? Py_NewRef(v) : PyObject_Str(v);
-    if (s && PyUnicode_GET_LENGTH(s) > max) {
-        Py_SETREF(s, PyUnicode_Substring(s, 0, max));
-    }
-    return s;
+    return str_cut(v, max);
 }
 
 /* A new Request for the running greenlet of st, sampled into a fresh
@@ -735,14 +733,7 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
     PyObject_GC_Track(req);
     PyObject *rid = PyDict_GetItemWithError(environ, str_rid_key);
     if (rid && PyObject_IsTrue(rid) == 1) {
-        req->request_id = PyUnicode_CheckExact(rid) ? Py_NewRef(rid)
-                                                    : PyObject_Str(rid);
-        if (req->request_id &&
-            PyUnicode_GET_LENGTH(req->request_id) > GQP_NOTE_MAX_RID) {
-            Py_SETREF(req->request_id,
-                      PyUnicode_Substring(req->request_id, 0,
-                                          GQP_NOTE_MAX_RID));
-        }
+        req->request_id = str_cut(rid, GQP_NOTE_MAX_RID);
     } else {
         req->request_id = Py_NewRef(Py_None);
     }
@@ -834,19 +825,25 @@ static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
     *str_f_blocking, *str_f_clock, *str_f_sampled_by, *str_f_request_id,
     *str_f_pid, *str_f_hostname, *str_f_error;
 
-/* The RequestProfile of a closed request: its rows read out by
- * read_profile (_hooks.c), the other fields given now; what _build does
- * for the common case.  A new reference, or NULL with an exception set. */
-static PyObject *build_profile(gqp_mw *mw, gqp_py_thread *st, gqp_req *req)
+/* The RequestProfile of req (its response ended), from the profile of
+ * tracer's thread.  Only what must be read now is read now, by
+ * read_profile (_hooks.c): the profile's rows (its C memory goes once the
+ * request is finalized), the stacks, the waiting time (the tracer's
+ * history moves on) and the names; the public records (Span, ...) are
+ * built from that when first read (_collect.request_records).  snapshot:
+ * an open profile read for observers, its stacks left in place and
+ * without blocking events.  calls: the function table or None.  A new
+ * reference, or NULL with an exception set. */
+static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
+                               int snapshot, PyObject *calls)
 {
-    PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
     PyObject *top = PyLong_FromLong(8);
     PyObject *raw = NULL, *fields = NULL, *res = NULL;
-    if (!tracer || !top) {
+    if (!top) {
         goto done;
     }
     PyObject *args[] = {req->addr, tracer, req->start_ns, req->end_ns, top,
-                        Py_True};
+                        snapshot ? Py_False : Py_True};
     raw = read_profile(NULL, args, 6);
     if (!raw) {
         goto done;
@@ -872,11 +869,12 @@ static PyObject *build_profile(gqp_mw *mw, gqp_py_thread *st, gqp_req *req)
         {str_f_start, PyFloat_FromDouble((shift + (double)start) * 1e-9)},
         {str_f_end, PyFloat_FromDouble((shift + (double)end) * 1e-9)},
         {str_f_wall, PyFloat_FromDouble((double)(end - start) * 1e-9)},
-        {str_f_calls, Py_NewRef(Py_None)},
+        {str_f_calls, Py_NewRef(calls)},
         {str_f_dropped_spans, Py_NewRef(PyTuple_GET_ITEM(raw, 7))},
         {str_f_dropped_calls, Py_NewRef(PyTuple_GET_ITEM(raw, 8))},
-        {str_f_blocking, req->blocking ? PySequence_List(req->blocking)
-                                       : PyList_New(0)},
+        {str_f_blocking, req->blocking && !snapshot
+                             ? PySequence_List(req->blocking)
+                             : PyList_New(0)},
         {str_f_clock, Py_XNewRef(mw->clock)},
         {str_f_sampled_by, Py_XNewRef(req->sampled_by)},
         {str_f_request_id, Py_XNewRef(req->request_id)},
@@ -908,7 +906,6 @@ static PyObject *build_profile(gqp_mw *mw, gqp_py_thread *st, gqp_req *req)
         Py_CLEAR(res);
     }
 done:
-    Py_XDECREF(tracer);
     Py_XDECREF(top);
     Py_XDECREF(raw);
     Py_XDECREF(fields);
@@ -948,6 +945,14 @@ static void deliver(gqp_mw *mw, PyObject *profile)
     count_stat(mw, str_delivered);
 }
 
+/* The armed thread state when req's _finalize can run here (in C), else
+ * NULL: the common case of finish_here, with calls off. */
+static gqp_py_thread *finalize_here(gqp_mw *mw, PyObject *eng, gqp_req *req)
+{
+    return rp_type && rp_loader && !mw->calls && eng == mw->armed_eng
+           ? finish_here(mw, req) : NULL;
+}
+
 /* MiddlewareBase._finalize(engine, request): closes the request's profile,
  * builds its RequestProfile and delivers it, here for the common case
  * (this thread's armed engine, no observers, calls off), else through
@@ -955,34 +960,28 @@ static void deliver(gqp_mw *mw, PyObject *profile)
 static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
                              Py_ssize_t nargs)
 {
-    if (nargs != 2) {
+    if (want_args(nargs, 2, "_finalize") < 0) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[1], &gqp_req_type)) {
         PyErr_SetString(PyExc_TypeError, "_finalize(engine, request)");
         return NULL;
     }
     gqp_req *req = (gqp_req *)args[1];
-    if (PyObject_TypeCheck(args[1], &gqp_req_type) &&
-        (!req->greenlet || req->greenlet == Py_None)) {
-        Py_RETURN_NONE;   /* already finalized (flush() before linger) */
-    }
-    gqp_py_thread *st = NULL;
-    if (PyObject_TypeCheck(args[1], &gqp_req_type) && rp_type && rp_loader &&
-        !self->calls && args[0] == self->armed_eng) {
-        st = finish_here(self, req);
-    }
+    gqp_py_thread *st = finalize_here(self, args[0], req);
     if (st && PyList_GET_SIZE(reg_long) > 0) {
         /* Drained while the request is still registered, so its blocking
-         * spans are named after it.  (Python: checked again after.) */
+         * spans are named after it.  That ran Python: checked again. */
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
                                                 str_drain_blocking, args[0]);
         if (!r) {
             internal_error(self, str_finish_where);
         }
         Py_XDECREF(r);
-        st = req->greenlet && req->greenlet != Py_None &&
-             args[0] == self->armed_eng ? finish_here(self, req) : NULL;
-        if (!req->greenlet || req->greenlet == Py_None) {
-            Py_RETURN_NONE;
-        }
+        st = finalize_here(self, args[0], req);
+    }
+    if (!req->greenlet || req->greenlet == Py_None) {
+        Py_RETURN_NONE;   /* already finalized (flush() before linger) */
     }
     if (!st) {
         PyObject *fwd[] = {(PyObject *)self, args[0], args[1]};
@@ -1011,7 +1010,10 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     if (self->open > 0) {
         self->open--;
     }
-    PyObject *profile = build_profile(self, st, req);
+    PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
+    PyObject *profile = tracer ? build_profile(self, tracer, req, 0, Py_None)
+                               : NULL;
+    Py_XDECREF(tracer);
     if (profile) {
         deliver(self, profile);
         Py_DECREF(profile);
@@ -1105,6 +1107,28 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         return NULL;
     }
     return PyBool_FromLong(PyList_GET_SIZE(pending) > 0);
+}
+
+/* MiddlewareBase._build_profile(tracer, request, snapshot, calls): the
+ * Python path's way to build_profile (_build). */
+static PyObject *mw_build_profile(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs)
+{
+    if (want_args(nargs, 4, "_build_profile") < 0) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[1], &gqp_req_type) || !rp_type ||
+        !rp_loader) {
+        PyErr_SetString(PyExc_TypeError, "_build_profile wants a Request "
+                        "(after _finalize_setup)");
+        return NULL;
+    }
+    int snapshot = PyObject_IsTrue(args[2]);
+    if (snapshot < 0) {
+        return NULL;
+    }
+    return build_profile(self, args[0], (gqp_req *)args[1], snapshot,
+                         args[3]);
 }
 
 /* _finalize_setup(RequestProfile, request_records, clock, hostname) */

@@ -455,7 +455,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 # Observers (OpenTelemetry) see the request while its trace
                 # span is still open: what is known at the end of the
                 # response.
-                snapshot = (self._build(eng, req, req.end_ns, snapshot=True)
+                snapshot = (self._build(eng, req, snapshot=True)
                             if req.profile is not None else None)
                 for obs in self.observers:
                     self._notify(obs, "on_response_end", req, snapshot,
@@ -524,7 +524,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # Drain while the request is still registered, so its blocking
             # spans are named after it.
             self._drain_blocking(eng)
-            profile = self._build(eng, req, req.end_ns)
+            profile = self._build(eng, req)
             self._deliver(profile)
             for obs in self.observers:
                 self._notify(obs, "on_profile", req, profile)
@@ -537,38 +537,18 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             if eng.profile_requests.get(req.addr) is req:
                 del eng.profile_requests[req.addr]
 
-    def _build(self, eng, req, end_ns, snapshot=False):
-        """The RequestProfile of req; snapshot=True reads an open profile
+    def _build(self, eng, req, snapshot=False):
+        """The RequestProfile of req (_sampled.c's build_profile, which
+        the C path calls itself); snapshot=True reads an open profile
         without consuming its stacks (for observers), and without its
-        blocking events.
-
-        Only what must be read now is read now, by one C call
-        (read_profile): the profile's rows (its C memory goes once the
-        request is finalized), the stacks, the waiting time (the tracer's
-        history moves on) and the names.  The public records (Span,
-        GreenletStat, ...) are built from that when first read."""
-        raw = _registry.read_profile(req.addr, eng.tracer.addr, req.start_ns,
-                                     end_ns, 8, not snapshot)
-        (_, _, _, end_ns, _, _, _, dropped_spans, dropped_calls, epoch0,
-         wall0, _, _) = raw
+        blocking events."""
         calls = None
         if self.config.calls:
             # greqprof's own frames (the middleware around the app) are
             # profiling overhead, not the app's time.
             calls = [f for f in _collect.func_stats([req.profile])
                      if not f.filename.startswith(_OWN_DIR)]
-        shift = epoch0 - wall0  # (ClockOrigin.to_epoch, inline)
-        return RequestProfile._deferred({
-            "method": req.method, "path": req.path, "status": req.status,
-            "start": (shift + req.start_ns) * NS,
-            "end": (shift + end_ns) * NS,
-            "wall": (end_ns - req.start_ns) * NS, "calls": calls,
-            "dropped_spans": dropped_spans, "dropped_calls": dropped_calls,
-            "blocking": [] if snapshot else req.blocking[:],
-            "clock": self.config.clock, "sampled_by": req.sampled_by,
-            "request_id": req.request_id, "pid": self.pid,
-            "hostname": self.hostname, "error": req.error,
-        }, _collect.request_records, raw)
+        return self._build_profile(eng.tracer.addr, req, snapshot, calls)
 
     def _drain_loop(self, eng):
         """Reports blocking spans of greenlets outside requests, once a

@@ -92,17 +92,11 @@ class RequestProfile:
     hostname: str = ""
     error: Optional[str] = None
 
-    @classmethod
-    def _deferred(cls, fields, loader, arg):
-        """A profile whose remaining fields (``DEFERRED``) are built by
-        ``loader(arg)`` on first access.  The middleware hands every sampled
-        request to its sink this way: a sink that keeps or drops profiles
-        without reading their spans does not pay for building them.
-        ``fields`` (the other fields) becomes the instance's dict."""
-        self = cls.__new__(cls)
-        fields["_loader"] = (loader, arg)
-        self.__dict__ = fields
-        return self
+    # A sampled request's profile is made deferred (_sampled.c's
+    # build_profile): its instance dict holds the fields above except
+    # DEFERRED, plus "_loader": (loader, arg); loader(arg) builds the
+    # DEFERRED fields on first access.  A sink that keeps or drops profiles
+    # without reading their spans does not pay for building them.
 
     #: fields a deferred profile builds on first access
     DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets")
