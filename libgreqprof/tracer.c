@@ -1148,6 +1148,80 @@ GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t)
     return tracer_live(t) ? t->gmap.len : 0;
 }
 
+/* Per greenlet, the time waited on it, or WAIT_MINE when it is one of the
+ * request's own.  Starts in a table on the caller's stack: a window sees
+ * a few dozen greenlets, and this runs once per sampled request. */
+#define WAIT_SLOTS 128
+#define WAIT_MINE UINT64_MAX
+
+typedef struct wait_tab {
+    uint64_t *keys, *vals;
+    size_t cap, len;
+    uint64_t skeys[WAIT_SLOTS], svals[WAIT_SLOTS];
+} wait_tab;
+
+static void wait_init(wait_tab *w)
+{
+    memset(w->skeys, 0, sizeof w->skeys);
+    w->keys = w->skeys;
+    w->vals = w->svals;
+    w->cap = WAIT_SLOTS;
+    w->len = 0;
+}
+
+static void wait_free(wait_tab *w)
+{
+    if (w->keys != w->skeys) {
+        gqp__free(w->keys);
+        gqp__free(w->vals);
+    }
+}
+
+/* The slot of id (ids are never 0), inserted when missing (*added set);
+ * NULL when the table cannot grow. */
+static uint64_t *wait_slot(wait_tab *w, uint64_t id, bool *added)
+{
+    size_t mask = w->cap - 1;
+    size_t i = (size_t)((id * 0x9E3779B97F4A7C15ull) >> 17) & mask;
+    for (; w->keys[i]; i = (i + 1) & mask) {
+        if (w->keys[i] == id) {
+            *added = false;
+            return &w->vals[i];
+        }
+    }
+    if ((w->len + 1) * 2 > w->cap) {
+        size_t ncap = w->cap * 2;
+        uint64_t *nk = gqp__calloc(ncap, sizeof *nk);
+        uint64_t *nv = gqp__malloc(ncap * sizeof *nv);
+        if (!nk || !nv) {
+            gqp__free(nk);
+            gqp__free(nv);
+            return NULL;
+        }
+        for (size_t j = 0; j < w->cap; j++) {
+            if (w->keys[j]) {
+                size_t k = (size_t)((w->keys[j] * 0x9E3779B97F4A7C15ull) >>
+                                    17) & (ncap - 1);
+                while (nk[k]) {
+                    k = (k + 1) & (ncap - 1);
+                }
+                nk[k] = w->keys[j];
+                nv[k] = w->vals[j];
+            }
+        }
+        wait_free(w);
+        w->keys = nk;
+        w->vals = nv;
+        w->cap = ncap;
+        return wait_slot(w, id, added);
+    }
+    w->keys[i] = id;
+    w->vals[i] = 0;
+    w->len++;
+    *added = true;
+    return &w->vals[i];
+}
+
 GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                               int64_t start_ns, int64_t end_ns,
                               int64_t *total_ns, uint64_t *ids, int64_t *ns,
@@ -1161,59 +1235,75 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         return GQP_EHANDLE;
     }
     uint64_t serial = mine ? mine->serial : 0;
-    gqp__map acc; /* greenlet id -> ns waited on it */
-    gqp__map_init(&acc);
-    gqp__map now_mine; /* ids of live greenlets attached to mine now */
-    gqp__map_init(&now_mine);
+    wait_tab w;
+    wait_init(&w);
     if (mine && atomic_load(&mine->attached) > 0) {
+        /* Greenlets attached to mine now are mine all along. */
         for (size_t i = 0; i < t->gmap.cap; i++) {
-            gqp__greenlet *g = t->gmap.keys[i]
-                ? (gqp__greenlet *)(uintptr_t)t->gmap.vals[i] : NULL;
+            if (!t->gmap.keys[i]) {
+                continue;
+            }
+            const gqp__greenlet *g =
+                (const gqp__greenlet *)(uintptr_t)t->gmap.vals[i];
+            if (g->profile != mine) {
+                continue;
+            }
             bool added;
-            if (g && g->profile == mine &&
-                !gqp__map_put(&now_mine, g->id, &added)) {
-                gqp__map_free(&now_mine);
+            uint64_t *v = wait_slot(&w, g->id, &added);
+            if (!v) {
+                wait_free(&w);
                 return GQP_ENOMEM;
             }
+            *v = WAIT_MINE;
         }
     }
     int64_t total = 0;
-    /* Newest first: entries are in order of their end, so the scan stops
-     * at the first one that ended before the window. */
-    for (size_t k = t->hist_len; k-- > 0;) {
+    /* Entries are in order of their end (spans of one thread do not
+     * overlap).  Skip those that began after the window, by bisection: a
+     * profile read after a linger would scan many.  Then newest first,
+     * stopping at the first entry that ended before the window. */
+    size_t lo = 0, hi = t->hist_len;   /* first entry ending after end_ns */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (t->hist[(t->hist_head + mid) % t->hist_cap].end <= end_ns) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    size_t from = lo < t->hist_len ? lo + 1 : lo;  /* (it may overlap) */
+    for (size_t k = from; k-- > 0;) {
         const hist_entry *h = &t->hist[(t->hist_head + k) % t->hist_cap];
         if (h->end <= start_ns) {
             break;
         }
-        if (h->start >= end_ns) {
+        if (h->start >= end_ns || (serial && h->serial == serial)) {
             continue;
         }
-        if (serial && (h->serial == serial ||
-                       gqp__map_get(&mine->gindex, h->greenlet_id) ||
-                       gqp__map_get(&now_mine, h->greenlet_id))) {
-            continue; /* one of mine ran, attached or not at the time */
+        bool added;
+        uint64_t *v = wait_slot(&w, h->greenlet_id, &added);
+        if (!v) {
+            wait_free(&w);
+            return GQP_ENOMEM;
+        }
+        if (added && serial && gqp__map_get(&mine->gindex, h->greenlet_id)) {
+            *v = WAIT_MINE; /* one of mine ran, attached or not at the time */
+        }
+        if (*v == WAIT_MINE) {
+            continue;
         }
         int64_t a = h->start > start_ns ? h->start : start_ns;
         int64_t b = h->end < end_ns ? h->end : end_ns;
         total += b - a;
-        if (n) {
-            bool added;
-            uint64_t *v = gqp__map_put(&acc, h->greenlet_id, &added);
-            if (!v) {
-                gqp__map_free(&acc);
-                gqp__map_free(&now_mine);
-                return GQP_ENOMEM;
-            }
-            *v += (uint64_t)(b - a);
-        }
+        *v += (uint64_t)(b - a);
     }
     /* Top n by time: insertion into the (short) output arrays. */
     size_t used = 0;
-    for (size_t i = 0; i < acc.cap; i++) {
-        if (!acc.keys[i]) {
+    for (size_t i = 0; i < w.cap && n; i++) {
+        if (!w.keys[i] || w.vals[i] == WAIT_MINE) {
             continue;
         }
-        int64_t d = (int64_t)acc.vals[i];
+        int64_t d = (int64_t)w.vals[i];
         if (used == n && d <= ns[n - 1]) {
             continue;
         }
@@ -1223,11 +1313,10 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
             ns[j] = ns[j - 1];
             j--;
         }
-        ids[j] = acc.keys[i];
+        ids[j] = w.keys[i];
         ns[j] = d;
     }
-    gqp__map_free(&acc);
-    gqp__map_free(&now_mine);
+    wait_free(&w);
     *total_ns = total;
     if (complete) {
         *complete = t->hist_overwritten_end == 0 ||

@@ -389,6 +389,41 @@ TEST(enomem_switch_changes_nothing)
     ASSERT_OK(gqp_set_allocator(NULL));
 }
 
+/* gqp_tracer_waited over more greenlets than its table on the stack holds
+ * needs memory: without it, GQP_ENOMEM and nothing leaked; with it, the
+ * answer. */
+TEST(enomem_waited_many_greenlets)
+{
+    counting_alloc a;
+    fake_clock c;
+    gqp_profile *p;
+    uint64_t ids[2];
+    int64_t ns[2], total = -1;
+    ca_install(&a);
+    fc_init(&c);
+    gqp_tracer *t = new_tracer_profile(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU, &p);
+    EV(gqp_tracer_switch(t, 0, 1, 0));
+    uint64_t prev = 1;
+    for (uint64_t k = 2; k < 400; k++) {
+        fc_run(&c, 1);
+        EV(gqp_tracer_switch(t, prev, k, 0));
+        prev = k;
+    }
+    fc_run(&c, 1);
+    a.fail_from = a.total + 1;
+    ASSERT_RC(gqp_tracer_waited(t, NULL, W0, c.wall, &total, ids, ns, 2,
+                                NULL), GQP_ENOMEM);
+    ASSERT_EQ_I64(total, -1);
+    a.fail_from = 0;
+    ASSERT_EQ_I64(gqp_tracer_waited(t, NULL, W0, c.wall, &total, ids, ns, 2,
+                                    NULL), 2);
+    ASSERT_EQ_I64(total, 398);
+    gqp_tracer_free(t);
+    gqp_profile_free(p);
+    ASSERT_EQ_I64(a.live, 0);
+    ASSERT_OK(gqp_set_allocator(NULL));
+}
+
 /* A call that needs memory fails with GQP_ENOMEM changing nothing, or is
  * dropped (GQP_EV_DROPPED, counted in calls_dropped) with its return still
  * matched, so the enclosing frame's times stay right. */

@@ -1073,6 +1073,47 @@ TEST(tracer_long_span_changes_while_running)
 }
 
 /* "greenlets of mine (attached to it, or with totals in it)" */
+/* More greenlets in the window than waited's table on the stack holds
+ * (it grows onto the heap): every one counted once, the top n right. */
+TEST(waited_many_greenlets)
+{
+    enum { N = 300 };
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    uint64_t ids[4] = {0};
+    int64_t ns[4] = {0}, total = -1, want = 0;
+    int complete = -1;
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 1);
+    uint64_t prev = KG;
+    for (uint64_t i = 1; i <= N; i++) {   /* other i runs i ns, twice */
+        uint64_t k = KH + i * 16;
+        EV(gqp_tracer_switch(t, prev, k, 0));
+        fc_run(&c, (int64_t)i);
+        EV(gqp_tracer_switch(t, k, KG, 0));
+        fc_run(&c, 1);
+        EV(gqp_tracer_switch(t, KG, k, 0));
+        fc_run(&c, (int64_t)i);
+        prev = k;
+        want += 2 * (int64_t)i;
+    }
+    EV(gqp_tracer_switch(t, prev, KG, 0));
+    int rc = gqp_tracer_waited(t, mine, W0, c.wall, &total, ids, ns, 4,
+                               &complete);
+    ASSERT_EQ_I64(rc, 4);
+    ASSERT_EQ_I64(total, want);
+    ASSERT_EQ_I64(complete, 1);
+    for (int j = 0; j < 4; j++) {
+        ASSERT_EQ_U64(ids[j], gid(t, KH + (uint64_t)(N - j) * 16));
+        ASSERT_EQ_I64(ns[j], 2 * (N - j));
+    }
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
 TEST(waited_mine_by_attachment_or_totals)
 {
     fake_clock c;
