@@ -1177,49 +1177,59 @@ static void wait_free(wait_tab *w)
     }
 }
 
+/* Doubles w's capacity; false when out of memory (w unchanged). */
+static bool wait_grow(wait_tab *w)
+{
+    size_t ncap = w->cap * 2, mask = ncap - 1;
+    uint64_t *nk = gqp__calloc(ncap, sizeof *nk);
+    uint64_t *nv = gqp__malloc(ncap * sizeof *nv);
+    if (!nk || !nv) {
+        gqp__free(nk);
+        gqp__free(nv);
+        return false;
+    }
+    for (size_t j = 0; j < w->cap; j++) {
+        if (w->keys[j]) {
+            size_t k = (size_t)((w->keys[j] * 0x9E3779B97F4A7C15ull) >> 17) &
+                       mask;
+            while (nk[k]) {
+                k = (k + 1) & mask;
+            }
+            nk[k] = w->keys[j];
+            nv[k] = w->vals[j];
+        }
+    }
+    wait_free(w);
+    w->keys = nk;
+    w->vals = nv;
+    w->cap = ncap;
+    return true;
+}
+
 /* The slot of id (ids are never 0), inserted when missing (*added set);
  * NULL when the table cannot grow. */
-static uint64_t *wait_slot(wait_tab *w, uint64_t id, bool *added)
+static inline uint64_t *wait_slot(wait_tab *w, uint64_t id, bool *added)
 {
-    size_t mask = w->cap - 1;
-    size_t i = (size_t)((id * 0x9E3779B97F4A7C15ull) >> 17) & mask;
-    for (; w->keys[i]; i = (i + 1) & mask) {
-        if (w->keys[i] == id) {
-            *added = false;
-            return &w->vals[i];
-        }
-    }
-    if ((w->len + 1) * 2 > w->cap) {
-        size_t ncap = w->cap * 2;
-        uint64_t *nk = gqp__calloc(ncap, sizeof *nk);
-        uint64_t *nv = gqp__malloc(ncap * sizeof *nv);
-        if (!nk || !nv) {
-            gqp__free(nk);
-            gqp__free(nv);
-            return NULL;
-        }
-        for (size_t j = 0; j < w->cap; j++) {
-            if (w->keys[j]) {
-                size_t k = (size_t)((w->keys[j] * 0x9E3779B97F4A7C15ull) >>
-                                    17) & (ncap - 1);
-                while (nk[k]) {
-                    k = (k + 1) & (ncap - 1);
-                }
-                nk[k] = w->keys[j];
-                nv[k] = w->vals[j];
+    for (;;) {
+        size_t mask = w->cap - 1;
+        size_t i = (size_t)((id * 0x9E3779B97F4A7C15ull) >> 17) & mask;
+        for (; w->keys[i]; i = (i + 1) & mask) {
+            if (w->keys[i] == id) {
+                *added = false;
+                return &w->vals[i];
             }
         }
-        wait_free(w);
-        w->keys = nk;
-        w->vals = nv;
-        w->cap = ncap;
-        return wait_slot(w, id, added);
+        if ((w->len + 1) * 2 <= w->cap) {
+            w->keys[i] = id;
+            w->vals[i] = 0;
+            w->len++;
+            *added = true;
+            return &w->vals[i];
+        }
+        if (!wait_grow(w)) {
+            return NULL;
+        }
     }
-    w->keys[i] = id;
-    w->vals[i] = 0;
-    w->len++;
-    *added = true;
-    return &w->vals[i];
 }
 
 GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
@@ -1272,8 +1282,10 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         }
     }
     size_t from = lo < t->hist_len ? lo + 1 : lo;  /* (it may overlap) */
+    size_t at = (t->hist_head + from) % t->hist_cap; /* one past, wrapping */
     for (size_t k = from; k-- > 0;) {
-        const hist_entry *h = &t->hist[(t->hist_head + k) % t->hist_cap];
+        at = at ? at - 1 : t->hist_cap - 1;
+        const hist_entry *h = &t->hist[at];
         if (h->end <= start_ns) {
             break;
         }
