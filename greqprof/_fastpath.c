@@ -366,6 +366,10 @@ static gqp_py_thread *armed_state(gqp_mw *self)
     return st;
 }
 
+/* requests[prev.gid] is deleted if it is prev (defined in _sampled.c,
+ * with the Request type). */
+static void forget_request_of(PyObject *requests, PyObject *prev);
+
 static gqp_py_thread *armed(gqp_mw *self)
 {
     gqp_py_thread *st = armed_state(self);
@@ -381,9 +385,14 @@ static gqp_py_thread *armed(gqp_mw *self)
         PyObject *k = PyLong_FromUnsignedLongLong(key);
         PyObject *prev = k ? PyDict_GetItemWithError(self->lingering, k)
                            : NULL;
+        Py_XINCREF(prev);
         if (prev && PyDict_DelItem(self->lingering, k) == 0) {
             gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
+            /* Nor are the greenlet's blocking spans from now on: they
+             * go to the request it begins. */
+            forget_request_of(self->requests, prev);
         }
+        Py_XDECREF(prev);
         Py_XDECREF(k);
         if (PyErr_Occurred()) {
             PyErr_Clear();
@@ -395,9 +404,16 @@ static gqp_py_thread *armed(gqp_mw *self)
 
 /* An error of greqprof's (the exception set) goes to
  * _internal_error(where, exc), which logs it once and counts it: greqprof
- * never breaks the app.  Clears the exception; never fails. */
-static void internal_error(gqp_mw *mw, PyObject *where)
+ * never breaks the app.  Returns 0, the exception cleared.  A
+ * BaseException that is not an Exception (gevent.Timeout, GreenletExit,
+ * SystemExit, KeyboardInterrupt: raised into a sink or a logging handler
+ * that waited) is not greqprof's error but the caller's: it stays set,
+ * and -1 is returned, for the caller to pass on. */
+static int internal_error(gqp_mw *mw, PyObject *where)
 {
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -408,6 +424,7 @@ static void internal_error(gqp_mw *mw, PyObject *where)
     Py_XDECREF(value);
     Py_XDECREF(tb);
     PyErr_Clear();
+    return 0;
 }
 
 static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
@@ -459,10 +476,15 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         double x = r ? PyFloat_AsDouble(r) : -1.0;
         Py_XDECREF(r);
         if (!r || (x == -1.0 && PyErr_Occurred())) {
-            internal_error(self, str_begin);   /* a raising rng */
+            if (internal_error(self, str_begin) < 0) {   /* a raising rng */
+                return NULL;
+            }
             return call2(self->app, environ, start_response);
         }
         sampled = x < self->pct;
+        /* The rng ran Python (it may even have stopped this thread's
+         * engine): the armed state is looked up again. */
+        st = self->blocking ? armed_state(self) : NULL;
     }
     count_stat(self, str_requests);
     if (sampled) {

@@ -210,6 +210,7 @@ typedef struct {
         *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
         *blocking, *observed, *generation, *engine;
     PyObject *weakrefs;
+    char finalizing;   /* set when a _finalize takes the request on */
 } gqp_req;
 
 #define REQ_FIELD(name, doc) \
@@ -233,6 +234,8 @@ static PyMemberDef req_members[] = {
     REQ_FIELD(observed, "Observers' state, or None."),
     REQ_FIELD(generation, "Fork generation it began in."),
     REQ_FIELD(engine, "The engine of the thread it began in."),
+    {"finalizing", T_BOOL, offsetof(gqp_req, finalizing), READONLY,
+     "True once a _finalize took it on (it is finalized once)."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -304,6 +307,18 @@ static PyTypeObject gqp_req_type = {
     .tp_weaklistoffset = offsetof(gqp_req, weakrefs),
 };
 
+static void forget_request_of(PyObject *requests, PyObject *prev)
+{
+    if (!requests || !PyDict_Check(requests) ||
+        !PyObject_TypeCheck(prev, &gqp_req_type)) {
+        return;
+    }
+    PyObject *gid = ((gqp_req *)prev)->gid;
+    if (gid && PyDict_GetItemWithError(requests, gid) == prev) {
+        PyDict_DelItem(requests, gid);
+    }
+}
+
 /* req.error = "Type: message" of the exception being raised, unless
  * keep_first and an error is already recorded.  The exception stays set. */
 static void req_note_error(gqp_req *req, int keep_first)
@@ -363,11 +378,11 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
         Py_XDECREF(r);
         return r ? 0 : -1;
     }
-    Py_XSETREF(req->done, Py_NewRef(Py_True));
     PyObject *end = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
     if (!end) {
         return -1;
     }
+    Py_XSETREF(req->done, Py_NewRef(Py_True));
     Py_XSETREF(req->end_ns, end);
     /* Later spans of this greenlet (the next keep-alive request) are not
      * this request's; greenlets it spawned still are. */
@@ -387,8 +402,15 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     PyObject *k = PyLong_FromVoidPtr(req->greenlet);
     PyObject *item = k ? PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req)
                        : NULL;
-    int rc = item && PyDict_SetItem(mw->lingering, k, (PyObject *)req) == 0 &&
-             PyList_Append(mw->pending, item) == 0 ? 0 : -1;
+    /* Queued first: a request lingering but not queued would never be
+     * finalized. */
+    int rc = item && PyList_Append(mw->pending, item) == 0 ? 0 : -1;
+    if (rc == 0 && PyDict_SetItem(mw->lingering, k, (PyObject *)req) < 0) {
+        rc = -1;   /* (queued: finalized all the same, not lingering) */
+    }
+    if (rc < 0) {
+        gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
+    }
     Py_XDECREF(k);
     Py_XDECREF(item);
     if (rc < 0) {
@@ -402,8 +424,9 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
          * (it stays registered until it is finalized). */
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
                                                 str_drain_blocking, eng);
-        if (!r) {
-            internal_error(mw, str_finish_where);
+        if (!r && internal_error(mw, str_finish_where) < 0) {
+            Py_DECREF(eng);
+            return -1;   /* (queued: the finisher finalizes it) */
         }
         Py_XDECREF(r);
     }
@@ -421,15 +444,22 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
 }
 
 /* req_finish for the body wrappers and the app-raised path: an error in
- * greqprof never reaches the app (Python's _finish logs its own). */
-static void req_finish_quiet(gqp_mw *mw, gqp_req *req)
+ * greqprof never reaches the app (Python's _finish logs its own).  A
+ * BaseException raised meanwhile (a gevent.Timeout that fired in a sink)
+ * goes on: -1 with it set, unless an exception was already on its way,
+ * which then wins. */
+static int req_finish_quiet(gqp_mw *mw, gqp_req *req)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (req_finish(mw, req) < 0) {
-        internal_error(mw, str_finish_where);
+    if (req_finish(mw, req) < 0 && internal_error(mw, str_finish_where) < 0) {
+        if (!type) {
+            return -1;
+        }
+        PyErr_Clear();
     }
     PyErr_Restore(type, value, tb);
+    return 0;
 }
 
 /* ---- StartResponse ------------------------------------------------------ */
@@ -541,7 +571,9 @@ static PyObject *body_close(gqp_body *self, PyObject *unused)
 {
     (void)unused;
     int failed = 0;
-    if (Py_TYPE(self) == &gqp_iterbody_type && self->result) {
+    /* (an exact list or tuple has no close(); a subclass may) */
+    if (self->result && !PyList_CheckExact(self->result) &&
+        !PyTuple_CheckExact(self->result)) {
         PyObject *close = PyObject_GetAttr(self->result, str_close);
         if (!close && PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();   /* getattr(result, "close", None) */
@@ -554,8 +586,8 @@ static PyObject *body_close(gqp_body *self, PyObject *unused)
             Py_XDECREF(r);
         }
     }
-    if (self->mw && self->req) {
-        req_finish_quiet(self->mw, self->req);
+    if (self->mw && self->req && req_finish_quiet(self->mw, self->req) < 0) {
+        failed = 1;
     }
     if (failed) {
         return NULL;
@@ -657,6 +689,8 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
 {
     gqp_startresp *sr = PyObject_GC_New(gqp_startresp, &gqp_startresp_type);
     if (!sr) {
+        req_note_error(req, 0);
+        req_finish_quiet(mw, req);   /* (begun: it must end) */
         return NULL;
     }
     sr->req = (gqp_req *)Py_NewRef((PyObject *)req);
@@ -686,6 +720,23 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
             PyErr_Restore(type, value, tb);
             Py_CLEAR(b);
         }
+    }
+    if (!b && !PyErr_Occurred()) {
+        PyErr_NoMemory();
+    }
+    if (!b && req->done != Py_True) {
+        /* No wrapper (out of memory): the app's close() and the end of
+         * the request happen now, the error goes on. */
+        req_note_error(req, 0);
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *close = PyObject_GetAttr(result, str_close);
+        PyObject *r = close ? PyObject_CallNoArgs(close) : NULL;
+        Py_XDECREF(close);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        req_finish_quiet(mw, req);
+        PyErr_Restore(type, value, tb);
     }
     Py_DECREF(result);
     return (PyObject *)b;
@@ -913,8 +964,9 @@ done:
 }
 
 /* _deliver for the common case (no text report, no profile files): the
- * sink; else Python's _deliver.  Errors are logged, never raised. */
-static void deliver(gqp_mw *mw, PyObject *profile)
+ * sink; else Python's _deliver.  Errors are logged, never raised: 0; -1
+ * for a BaseException that goes on (see internal_error). */
+static int deliver(gqp_mw *mw, PyObject *profile)
 {
     PyObject *report = PyObject_GetAttr((PyObject *)mw, str_report);
     PyObject *outputs = report ? PyObject_GetAttr((PyObject *)mw, str_outputs)
@@ -926,23 +978,26 @@ static void deliver(gqp_mw *mw, PyObject *profile)
     if (!plain) {
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw, str_deliver,
                                                 profile);
-        if (!r) {
-            internal_error(mw, str_finish_where);
-        }
+        int rc = r || internal_error(mw, str_finish_where) == 0 ? 0 : -1;
         Py_XDECREF(r);
-        return;
+        return rc;
     }
     PyObject *sink = PyObject_GetAttr((PyObject *)mw, str_sink);
+    int rc = 0;
     if (sink && sink != Py_None) {
         PyObject *r = PyObject_CallOneArg(sink, profile);
-        if (!r) {
-            internal_error(mw, str_sink_where);
+        if (!r && internal_error(mw, str_sink_where) < 0) {
+            rc = -1;
         }
         Py_XDECREF(r);
     }
     Py_XDECREF(sink);
+    if (rc < 0) {
+        return -1;
+    }
     PyErr_Clear();
     count_stat(mw, str_delivered);
+    return 0;
 }
 
 /* The armed thread state when req's _finalize can run here (in C), else
@@ -953,10 +1008,39 @@ static gqp_py_thread *finalize_here(gqp_mw *mw, PyObject *eng, gqp_req *req)
            ? finish_here(mw, req) : NULL;
 }
 
+/* _finalize's end (Python's finally:): req is done with, and leaves the
+ * engine's dicts.  Looked up again, since a sink ran Python.  An
+ * exception set on entry stays set. */
+static void finalize_forget(PyObject *eng, gqp_req *req)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
+    PyObject *requests = PyObject_GetAttr(eng, str_requests_attr);
+    PyObject *by_addr = PyObject_GetAttr(eng, str_profile_requests);
+    if (requests && PyDict_Check(requests) && req->gid &&
+        PyDict_GetItemWithError(requests, req->gid) == (PyObject *)req) {
+        PyDict_DelItem(requests, req->gid);
+    }
+    if (by_addr && PyDict_Check(by_addr) && req->addr &&
+        PyDict_GetItemWithError(by_addr, req->addr) == (PyObject *)req) {
+        PyDict_DelItem(by_addr, req->addr);
+    }
+    Py_XDECREF(requests);
+    Py_XDECREF(by_addr);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
 /* MiddlewareBase._finalize(engine, request): closes the request's profile,
  * builds its RequestProfile and delivers it, here for the common case
  * (this thread's armed engine, no observers, calls off), else through
- * Python's _finalize_py. */
+ * Python's _finalize_py.  Once per request: the first call takes it on
+ * (req.finalizing) before any Python runs, since a drain or a sink may
+ * switch greenlets and flush() or the finisher then come for the same
+ * request.  A BaseException raised in a drain or a sink (a
+ * gevent.Timeout, GreenletExit) goes on once the request is released,
+ * undelivered if it came before the sink. */
 static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
                              Py_ssize_t nargs)
 {
@@ -968,30 +1052,41 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
         return NULL;
     }
     gqp_req *req = (gqp_req *)args[1];
-    gqp_py_thread *st = finalize_here(self, args[0], req);
+    if (!req->greenlet || req->greenlet == Py_None || req->finalizing) {
+        Py_RETURN_NONE;   /* finalized (flush() before linger), or being */
+    }
+    req->finalizing = 1;
+    PyObject *eng = args[0];
+    Py_INCREF(req);
+    Py_INCREF(eng);
+    PyObject *stop = NULL;   /* a BaseException from the drain */
+    gqp_py_thread *st = finalize_here(self, eng, req);
     if (st && PyList_GET_SIZE(reg_long) > 0) {
         /* Drained while the request is still registered, so its blocking
          * spans are named after it.  That ran Python: checked again. */
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
-                                                str_drain_blocking, args[0]);
-        if (!r) {
-            internal_error(self, str_finish_where);
+                                                str_drain_blocking, eng);
+        if (!r && internal_error(self, str_finish_where) < 0) {
+            PyObject *type, *tb;
+            PyErr_Fetch(&type, &stop, &tb);
+            PyErr_NormalizeException(&type, &stop, &tb);
+            if (stop && tb) {
+                PyException_SetTraceback(stop, tb);
+            }
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
         }
         Py_XDECREF(r);
-        st = finalize_here(self, args[0], req);
+        st = finalize_here(self, eng, req);
     }
-    if (!req->greenlet || req->greenlet == Py_None) {
-        Py_RETURN_NONE;   /* already finalized (flush() before linger) */
-    }
+    PyObject *res = NULL;
     if (!st) {
-        PyObject *fwd[] = {(PyObject *)self, args[0], args[1]};
-        return PyObject_VectorcallMethod(str_finalize_py, fwd, 3, NULL);
+        PyObject *fwd[] = {(PyObject *)self, eng, args[1]};
+        res = PyObject_VectorcallMethod(str_finalize_py, fwd, 3, NULL);
+        goto done;
     }
-    PyObject *g = req->greenlet;
-    gqp_profref *prof = (gqp_profref *)req->profile;
-    Py_INCREF(req);
-    Py_INCREF(g);
-    Py_INCREF(prof);
+    PyObject *g = Py_NewRef(req->greenlet);
+    gqp_profref *prof = (gqp_profref *)Py_NewRef(req->profile);
     /* No longer lingering: what g spawns from now on is not this
      * request's. */
     PyObject *k = PyLong_FromVoidPtr(g);
@@ -1010,36 +1105,33 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     if (self->open > 0) {
         self->open--;
     }
-    PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
-    PyObject *profile = tracer ? build_profile(self, tracer, req, 0, Py_None)
-                               : NULL;
-    Py_XDECREF(tracer);
-    if (profile) {
-        deliver(self, profile);
-        Py_DECREF(profile);
-    } else {
-        internal_error(self, str_finish_where);
+    int ok = 1;
+    if (!stop) {
+        PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
+        PyObject *profile = tracer
+            ? build_profile(self, tracer, req, 0, Py_None) : NULL;
+        Py_XDECREF(tracer);
+        if (profile) {
+            ok = deliver(self, profile) == 0;
+            Py_DECREF(profile);
+        } else {
+            ok = internal_error(self, str_finish_where) == 0;
+        }
     }
-    /* (Python's finally:) the sink ran Python, so the engine's dicts are
-     * looked up again. */
-    Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
-    PyObject *requests = PyObject_GetAttr(args[0], str_requests_attr);
-    PyObject *by_addr = PyObject_GetAttr(args[0], str_profile_requests);
-    if (requests && PyDict_Check(requests) && req->gid &&
-        PyDict_GetItemWithError(requests, req->gid) == (PyObject *)req) {
-        PyDict_DelItem(requests, req->gid);
-    }
-    if (by_addr && PyDict_Check(by_addr) && req->addr &&
-        PyDict_GetItemWithError(by_addr, req->addr) == (PyObject *)req) {
-        PyDict_DelItem(by_addr, req->addr);
-    }
-    Py_XDECREF(requests);
-    Py_XDECREF(by_addr);
-    PyErr_Clear();
+    finalize_forget(eng, req);
     Py_DECREF(prof);
     Py_DECREF(g);
+    res = ok ? Py_NewRef(Py_None) : NULL;
+done:
+    if (stop) {
+        Py_XDECREF(res);
+        res = NULL;
+        PyErr_SetObject((PyObject *)Py_TYPE(stop), stop);
+        Py_DECREF(stop);
+    }
+    Py_DECREF(eng);
     Py_DECREF(req);
-    Py_RETURN_NONE;
+    return res;
 }
 
 /* _registry.finish_pending(engine, pending, now): one pass of the
@@ -1076,7 +1168,8 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         gqp_mw *mw = (gqp_mw *)PyTuple_GET_ITEM(item, 0);
         gqp_req *req = (gqp_req *)PyTuple_GET_ITEM(item, 1);
         int wait = 0;
-        if (req->greenlet && req->greenlet != Py_None && req->profile &&
+        if (req->greenlet && req->greenlet != Py_None && !req->finalizing &&
+            req->profile &&
             PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
             ((gqp_profref *)req->profile)->p &&
             gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0 &&
@@ -1094,8 +1187,26 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         } else {
             PyObject *fargs[] = {args[0], (PyObject *)req};
             PyObject *r = mw_finalize(mw, fargs, 2);
-            if (!r) {
-                internal_error(mw, str_finish_where);
+            if (!r && internal_error(mw, str_finish_where) < 0) {
+                /* A BaseException (the finisher killed) goes on; what
+                 * this pass did not look at stays queued. */
+                Py_DECREF(item);
+                PyObject *type, *value, *tb;
+                PyErr_Fetch(&type, &value, &tb);
+                for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(pending);
+                     j++) {
+                    if (PyList_Append(waiting,
+                                      PyList_GET_ITEM(pending, j)) < 0) {
+                        break;
+                    }
+                }
+                PyErr_Clear();
+                PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending),
+                                waiting);
+                Py_DECREF(waiting);
+                PyErr_Clear();
+                PyErr_Restore(type, value, tb);
+                return NULL;
             }
             Py_XDECREF(r);
         }

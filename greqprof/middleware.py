@@ -251,7 +251,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             return 0
         n = 0
         for req in list(eng.lingering.values()):
-            if req.profile is not None and not req.profile.closed:
+            if req.profile is not None and not req.profile.closed and \
+                    not req.finalizing:
                 self._finalize(eng, req)
                 n += 1
         return n
@@ -384,6 +385,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         prev = eng.lingering.pop(id(g), None)
         if prev is not None:
             eng.tracer.set_spawn_profile(g, None)
+            # Nor are g's blocking spans from now on: they go to the
+            # request it begins.
+            if eng.requests.get(prev.gid) is prev:
+                del eng.requests[prev.gid]
 
     def _note_unsampled(self, environ):
         """An unsampled request: no profile, no wrapping of the response,
@@ -689,6 +694,14 @@ FINISH_BATCH_S = 0.01
 def _finisher_loop(eng):
     """Finishes queued profiles whose requests' greenlets are all done (or
     whose linger ran out); sleeps while nothing waits."""
+    try:
+        _finish_pending_forever(eng)
+    finally:
+        # Killed, or failed: the next request queued wakes a new one.
+        eng.finisher_woken = False
+
+
+def _finish_pending_forever(eng):
     import gevent
     from gevent.event import Event
     eng.finisher_wake = Event()

@@ -27,6 +27,26 @@ def test_benchmark_script_runs(script):
         assert "MISMATCH" not in line.upper(), line
 
 
+@pytest.mark.skipif(shutil.which("callgrind_control") is None,
+                    reason="valgrind (Debian package) is not installed")
+def test_server_instructions_counts_a_real_server():
+    """bench/server_instructions.py: a real server under callgrind, tiny
+    load.  Instruction counts are deterministic enough to assert that
+    profiling every request adds work, and that the top list names it."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "server_instructions.py"),
+         "bare", "gqp-100pct", "--connections", "4", "--requests", "32",
+         "--warmup", "16", "--top", "40"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:]
+            for line in proc.stdout.splitlines()
+            if line.startswith(("bare ", "gqp-100pct "))}
+    assert int(rows["bare"][0]) > 0
+    assert int(rows["gqp-100pct"][1]) > 0, proc.stdout
+    assert "gqp_tracer_switch" in proc.stdout, proc.stdout
+
+
 @pytest.mark.skipif(shutil.which("wrk") is None,
                     reason="wrk (Debian package) is not installed")
 def test_load_benchmark_ab_runs_a_checkout_beside_a_config():

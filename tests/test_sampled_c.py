@@ -324,3 +324,158 @@ def test_linger_can_be_changed_at_run_time(serve):
     with pytest.raises(Exception, match="linger"):
         s.mw.linger = -1
     assert s.mw.linger == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Found in review (the reviewer's probes, kept as regression tests)
+
+def test_a_request_is_finalized_once_when_flush_meets_the_finisher(serve):
+    """flush() finalizes a lingering request and its sink waits on I/O;
+    meanwhile the request's child ends and the finisher looks at the same
+    request: it must not be delivered a second time (nor the open count
+    released twice)."""
+    paths = []
+    first = [True]
+
+    def sink(p):
+        paths.append(p.path)
+        if p.path == "/r" and first[0]:
+            first[0] = False
+            gevent.sleep(0.6)   # a sink doing I/O
+
+    def kid():
+        gevent.sleep(0.2)
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/r":
+            gevent.spawn(kid)   # keeps /r lingering
+            gevent.sleep(0)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    s = serve(app, pct=1.0, linger=5.0, sink=sink, report=False,
+              blocking_ms=None)
+    assert s.get("/warm").status == 200
+    wait_for(lambda: "/warm" in paths, what="the warm-up profile")
+    assert s.get("/r").status == 200
+    gevent.sleep(0.05)
+    assert s.mw.flush() == 1
+    gevent.sleep(0.4)   # the child ended, the finisher passed
+    assert s.mw.flush() == 0   # taken already: not counted again
+    wait_for(lambda: paths.count("/r") == 1, what="the /r profile")
+    gevent.sleep(0.3)
+    assert paths == ["/warm", "/r"]
+    assert s.mw.stats["delivered"] == 2
+    assert s.mw._open == 0
+
+
+def test_a_blocking_span_of_the_next_request_is_not_the_lingering_ones(
+        serve, caplog):
+    """Keep-alive: /first (sampled) lingers for its child while /second
+    (not sampled), on the same connection greenlet, blocks the loop: the
+    WARNING names /second, and /first's profile does not get the event."""
+    from test_middleware import (SECRET, _blocking_warnings,
+                                 _two_pipelined, current_gid, http_raw)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    gid = []
+
+    def kid():
+        gevent.sleep(0.6)
+
+    def app(environ, start_response):
+        path = environ["PATH_INFO"]
+        if path == "/first":
+            gevent.spawn(kid)   # /first lingers
+            gevent.sleep(0)
+        if path == "/second":
+            gid.append(current_gid())
+            import time
+            time.sleep(0.15)   # blocks the loop
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [path.encode()]
+
+    s = serve(app, pct=0.0, trigger_header="X-Trigger",
+              trigger_secret=SECRET, blocking_ms=100, linger=2.0)
+    assert s.get("/warm").status == 200
+    raw = http_raw(s.port, _two_pipelined(
+        b"/first", b"/second", b"X-Trigger: " + SECRET.encode() + b"\r\n"))
+    assert raw.count(b"HTTP/1.1 200 OK") == 2
+    first = s.profile_for("/first", timeout=5)
+    w = wait_for(lambda: _blocking_warnings(caplog, "greenlet %d " % gid[0]),
+                 what="the blocking WARNING")
+    assert "during GET /second" in w[0], w[0]
+    assert not first.blocking
+
+
+@pytest.mark.parametrize("calls", [False, True])
+def test_a_timeout_in_the_sink_reaches_the_caller(calls):
+    """linger=0: the profile is delivered inside body.close().  A
+    gevent.Timeout (a BaseException, not an error of greqprof's) that
+    fires while the sink waits goes on to the caller, and the request's
+    bookkeeping is released all the same."""
+    import time
+
+    from greqprof import ProfilingMiddleware
+    from test_middleware import reset_greqprof
+
+    def sink(p):
+        if p.path == "/r":
+            gevent.sleep(1.0)
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return iter([b"ok"])
+
+    mw = ProfilingMiddleware(app, pct=1.0, linger=0, sink=sink,
+                             report=False, blocking_ms=None, calls=calls)
+    out = []
+
+    def one(path):
+        env = {"REQUEST_METHOD": "GET", "PATH_INFO": path}
+        body = mw(env, lambda s, h, e=None: None)
+        list(body)
+        t0 = time.monotonic()
+        try:
+            with gevent.Timeout(0.1):
+                body.close()
+            out.append("returned")
+        except gevent.Timeout:
+            out.append("Timeout")
+        assert time.monotonic() - t0 < 0.9
+
+    try:
+        gevent.spawn(one, "/warm").join()   # arms the C path
+        gevent.spawn(one, "/r").join()
+        assert out == ["returned", "Timeout"]
+        assert mw.stats["errors"] == 0
+        assert mw._open == 0
+        from greqprof.engine import current_engine
+        eng = current_engine()
+        assert eng.requests == {} and eng.profile_requests == {}
+    finally:
+        reset_greqprof([mw])
+
+
+def test_a_killed_finisher_is_replaced(serve):
+    """The finisher greenlet killed (GreenletExit, a BaseException) while
+    a sink waits: the next request that needs it starts a new one."""
+    paths = []
+
+    def sink(p):
+        paths.append(p.path)
+        if p.path == "/slow":
+            gevent.sleep(5)
+
+    s = serve(ok(), pct=1.0, linger=1.0, sink=sink, report=False,
+              blocking_ms=None)
+    assert s.get("/warm").status == 200
+    wait_for(lambda: "/warm" in paths, what="the warm-up profile")
+    from greqprof.engine import current_engine
+    eng = current_engine()
+    assert s.get("/slow").status == 200
+    wait_for(lambda: "/slow" in paths, what="the sink to start")
+    old = eng.finisher
+    old.kill()
+    assert s.get("/after").status == 200
+    wait_for(lambda: "/after" in paths, what="a new finisher")
+    assert eng.finisher is not old

@@ -1,0 +1,189 @@
+"""Instructions per request of a real gevent.pywsgi server under concurrent
+keep-alive load, counted by valgrind's callgrind: what a configuration adds,
+and in which C functions, without the machine's noise.
+
+    python bench/server_instructions.py [CONFIG ...] [--connections 16]
+        [--requests 1600] [--warmup 480] [--top 25] [--markdown]
+
+Each configuration (a key of bench/_load_server.py, or gqp{JSON}; default:
+bare gqp-0pct gqp-5pct gqp-100pct) is served by its own
+bench/_load_server.py process under callgrind.  The script warms it up,
+zeroes the counters (callgrind_control -z), sends --requests GET /hello
+requests over --connections keep-alive connections from as many client
+threads, and dumps the counters (callgrind_control -d).  Unlike
+request_instructions.py (in-process, one request at a time), this sees
+what concurrency changes: the span history a sampled request's waiting
+time is computed from grows with the number of connections.  Kernel time
+(system calls) is not counted.  --top lists the functions whose own
+instructions per request grew most against the first configuration.
+"""
+import argparse
+import collections
+import glob
+import http.client
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _benchutil as bu  # noqa: E402
+
+URL = "/hello?name=bench"
+
+
+def _load(port, n, conns):
+    """n requests over conns keep-alive connections, one thread each."""
+    errors = []
+
+    def client(k):
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+            for _ in range(k):
+                c.request("GET", URL)
+                r = c.getresponse()
+                r.read()
+                if r.status != 200:
+                    raise RuntimeError("HTTP %d" % r.status)
+            c.close()
+        except Exception as e:  # reported below, the run is void
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(n // conns,))
+               for _ in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("load failed: %r" % errors[0])
+    return (n // conns) * conns
+
+
+def _read_port(proc, timeout=120):
+    buf, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        chunk = os.read(proc.stdout.fileno(), 256)
+        if not chunk:
+            break
+        buf += chunk
+        m = re.search(rb"PORT (\d+)\n", buf)
+        if m:
+            return int(m.group(1))
+    raise RuntimeError("the server under valgrind did not start")
+
+
+def measure(config, requests, conns, warmup, tmp):
+    """(instructions per request, callgrind dump path) for one config."""
+    out = os.path.join(tmp, "cg.%s.out" % re.sub(r"\W", "_", config))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out,
+         sys.executable, os.path.join(HERE, "_load_server.py"),
+         "--config", config, "--port", "0", "--rows", "24"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
+    try:
+        port = _read_port(proc)
+        _load(port, max(conns, warmup), conns)   # warm-up: caches, engine
+        time.sleep(0.5)
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)],
+                       check=True, capture_output=True)
+        done = _load(port, requests, conns)
+        time.sleep(0.5)
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)],
+                       check=True, capture_output=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    dumps = [d for d in glob.glob(out + ".*") if d[-1].isdigit()]
+    if not dumps:
+        raise RuntimeError("no callgrind dump for " + config)
+    dump = max(dumps, key=os.path.getmtime)
+    with open(dump) as f:
+        total = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
+    return total / done, dump
+
+
+def self_costs(dump):
+    """Instructions spent in each function itself (not its callees)."""
+    names, cost, fn, callee_line = {}, collections.Counter(), None, False
+    with open(dump) as f:
+        for line in f:
+            if line.startswith(("fn=", "cfn=")):
+                m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line.strip())
+                if m and m.group(2):
+                    names[m.group(1)] = m.group(2)
+                if m and line.startswith("fn="):
+                    fn = names.get(m.group(1))
+            elif line.startswith("calls="):
+                callee_line = True   # the next cost line is the callee's
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                if callee_line:
+                    callee_line = False
+                elif fn:
+                    parts = line.split()
+                    if len(parts) >= 2:
+                        cost[fn] += int(parts[1])
+    return cost
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("configs", nargs="*",
+                    default=["bare", "gqp-0pct", "gqp-5pct", "gqp-100pct"])
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=1600)
+    ap.add_argument("--warmup", type=int, default=480,
+                    help="requests before the counters are zeroed")
+    ap.add_argument("--top", type=int, default=0,
+                    help="list the N functions that grew most against the "
+                         "first configuration")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            print("skipped: %s is not installed" % tool)
+            return 0
+    if args.connections < 1 or args.requests < args.connections:
+        ap.error("need --requests >= --connections >= 1")
+    rows, dumps, base = [], [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for cfg in args.configs:
+            per, dump = measure(cfg, args.requests, args.connections,
+                                args.warmup, tmp)
+            base = per if base is None else base
+            bu.log("%-24s %10.0f instructions/request" % (cfg, per))
+            rows.append([cfg, "%.0f" % per, "%+.0f" % (per - base)])
+            dumps.append((cfg, dump, args.requests))
+        table = bu.md_table if args.markdown else bu.text_table
+        print(table(["configuration", "instructions per request",
+                     "added to %s" % args.configs[0]], rows))
+        if args.top and len(dumps) > 1:
+            first = self_costs(dumps[0][1])
+            for cfg, dump, n in dumps[1:]:
+                grew = self_costs(dump)
+                diff = sorted(((grew[k] - first[k]) / n, k)
+                              for k in set(first) | set(grew))
+                print("\n%s: functions whose own instructions per request "
+                      "grew most against %s" % (cfg, args.configs[0]))
+                print(table(["function", "added per request"],
+                            [[k[:70], "%+.0f" % d]
+                             for d, k in diff[::-1][:args.top]]))
+    print("\n`python bench/server_instructions.py %s --connections %d "
+          "--requests %d%s%s`" % (
+              " ".join(args.configs), args.connections, args.requests,
+              " --top %d" % args.top if args.top else "",
+              " --markdown" if args.markdown else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
