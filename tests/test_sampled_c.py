@@ -479,3 +479,23 @@ def test_a_killed_finisher_is_replaced(serve):
     assert s.get("/after").status == 200
     wait_for(lambda: "/after" in paths, what="a new finisher")
     assert eng.finisher is not old
+
+
+def test_a_list_subclass_body_is_closed(serve):
+    """WSGI: the server's close() reaches the app's iterable, also when it
+    is a list (here a subclass) with a close() of its own."""
+    closed = []
+
+    class Body(list):
+        def close(self):
+            closed.append(True)
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return Body([b"a", b"b"])
+
+    s = serve(app, pct=1.0, report=False, blocking_ms=None)
+    assert s.get("/warm").status == 200
+    assert s.get("/list").body == b"ab"
+    wait_for(lambda: len(closed) == 2, what="both bodies closed")
+    s.profile_for("/list")
