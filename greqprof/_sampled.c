@@ -384,15 +384,24 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     }
     Py_XSETREF(req->done, Py_NewRef(Py_True));
     Py_XSETREF(req->end_ns, end);
+    /* The engine's, as armed now (finish_here): allocations below may run
+     * a garbage collection, whose finalizers may let another thread
+     * re-arm mw. */
+    PyObject *eng = Py_NewRef(req->engine);
+    PyObject *lingering = Py_NewRef(mw->lingering);
+    PyObject *pending = Py_NewRef(mw->pending);
     /* Later spans of this greenlet (the next keep-alive request) are not
      * this request's; greenlets it spawned still are. */
     gqp_profile *p = ((gqp_profref *)req->profile)->p;
     attach_greenlet(st, req->greenlet, NULL);
     if (!mw->linger) {
         /* (_finalize drains the long spans first) */
-        PyObject *args[] = {(PyObject *)mw, mw->armed_eng, (PyObject *)req};
+        PyObject *args[] = {(PyObject *)mw, eng, (PyObject *)req};
         PyObject *r = PyObject_VectorcallMethod(str_finalize, args, 3, NULL);
         Py_XDECREF(r);
+        Py_DECREF(eng);
+        Py_DECREF(lingering);
+        Py_DECREF(pending);
         return r ? 0 : -1;
     }
     /* Wait (up to linger) for the greenlets it spawned: the engine's
@@ -404,8 +413,8 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
                        : NULL;
     /* Queued first: a request lingering but not queued would never be
      * finalized. */
-    int rc = item && PyList_Append(mw->pending, item) == 0 ? 0 : -1;
-    if (rc == 0 && PyDict_SetItem(mw->lingering, k, (PyObject *)req) < 0) {
+    int rc = item && PyList_Append(pending, item) == 0 ? 0 : -1;
+    if (rc == 0 && PyDict_SetItem(lingering, k, (PyObject *)req) < 0) {
         rc = -1;   /* (queued: finalized all the same, not lingering) */
     }
     if (rc < 0) {
@@ -413,12 +422,14 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     }
     Py_XDECREF(k);
     Py_XDECREF(item);
+    Py_DECREF(lingering);
+    Py_DECREF(pending);
     if (rc < 0) {
+        Py_DECREF(eng);
         return -1;
     }
     /* Python from here on (a logging handler may switch greenlets): mw's
      * armed state is not looked at again. */
-    PyObject *eng = Py_NewRef(mw->armed_eng);
     if (PyList_GET_SIZE(reg_long) > 0) {
         /* Blocking spans reported when the request ends, named after it
          * (it stays registered until it is finalized). */
@@ -783,11 +794,13 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
            sizeof(gqp_req) - sizeof(PyObject));
     PyObject_GC_Track(req);
     PyObject *rid = PyDict_GetItemWithError(environ, str_rid_key);
+    Py_XINCREF(rid);   /* (its __bool__ may change environ) */
     if (rid && PyObject_IsTrue(rid) == 1) {
         req->request_id = str_cut(rid, GQP_NOTE_MAX_RID);
     } else {
         req->request_id = Py_NewRef(Py_None);
     }
+    Py_XDECREF(rid);
     req->method = environ_str(environ, str_method_key, GQP_NOTE_MAX_METHOD);
     req->path = environ_str(environ, str_path_key, GQP_NOTE_MAX_PATH);
     req->profile = profref_make(self->profile_type, self->max_spans);
@@ -806,32 +819,41 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
         goto fail;
     }
     Py_DECREF(g);   /* (the running greenlet is alive: req takes a ref) */
+    /* What the armed state is now: allocations below may run a garbage
+     * collection, whose finalizers may let another thread re-arm self. */
+    PyObject *eng = Py_NewRef(self->armed_eng);
+    PyObject *requests = Py_NewRef(self->requests);
+    PyObject *by_addr = Py_NewRef(self->profile_requests);
     req->start_ns = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
     req->blocking = PyList_New(0);
     req->generation = PyLong_FromLong(self->armed_fork_gen);
     if (!req->start_ns || !req->blocking || !req->generation) {
-        goto fail;
+        goto fail_armed;
     }
     gqp_profile *p = ((gqp_profref *)req->profile)->p;
     int64_t gid = attach_greenlet(st, g, p);
     if (gid <= 0) {
-        goto fail;
+        if (gid == 0) {
+            attach_greenlet(st, g, NULL);
+        }
+        goto fail_armed;
     }
     req->gid = PyLong_FromLongLong(gid);
     req->addr = PyLong_FromVoidPtr(p);
     if (!req->gid || !req->addr ||
-        PyDict_SetItem(self->requests, req->gid, (PyObject *)req) < 0) {
+        PyDict_SetItem(requests, req->gid, (PyObject *)req) < 0) {
         attach_greenlet(st, g, NULL);
-        goto fail;
+        goto fail_armed;
     }
-    if (PyDict_SetItem(self->profile_requests, req->addr,
-                       (PyObject *)req) < 0) {
+    if (PyDict_SetItem(by_addr, req->addr, (PyObject *)req) < 0) {
         attach_greenlet(st, g, NULL);
-        PyDict_DelItem(self->requests, req->gid);
-        goto fail;
+        PyDict_DelItem(requests, req->gid);
+        goto fail_armed;
     }
+    Py_DECREF(requests);
+    Py_DECREF(by_addr);
     req->greenlet = Py_NewRef(g);
-    req->engine = Py_NewRef(self->armed_eng);
+    req->engine = eng;
     req->sampled_by = Py_NewRef(str_pct);
     req->status = Py_NewRef(Py_None);
     req->error = Py_NewRef(Py_None);
@@ -842,6 +864,10 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
     profile_window(st, 1);
     count_stat(self, str_sampled);
     return req;
+fail_armed:
+    Py_DECREF(eng);
+    Py_DECREF(requests);
+    Py_DECREF(by_addr);
 fail:
     PyErr_Clear();
     Py_DECREF(req);
