@@ -204,6 +204,30 @@ class GreenletSettraceC(GreenletSettraceNoop):
 # ---------------------------------------------------------------------------
 # the measuring loop
 
+def read_port(proc, timeout):
+    """The port a bench/_load_server.py process prints ("PORT n"), or None
+    when it exits or stays silent for timeout seconds."""
+    import re
+    import select
+    import time
+    deadline = time.monotonic() + timeout
+    buf = b""
+    fd = proc.stdout.fileno()
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], 0.1)
+        if r:
+            chunk = os.read(fd, 256)
+            if not chunk:
+                return None
+            buf += chunk
+            m = re.search(rb"PORT (\d+)\n", buf)
+            if m:
+                return int(m.group(1))
+        elif proc.poll() is not None:
+            return None
+    return None
+
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 

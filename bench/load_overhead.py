@@ -34,7 +34,6 @@ and the script still exits 0 (1 only with --strict and a missed target).
 import json
 import os
 import re
-import select
 import shlex
 import signal
 import socket
@@ -197,21 +196,9 @@ class Server:
         self._wait_ready(timeout)
 
     def _read_port(self, timeout):
-        deadline = time.monotonic() + timeout
-        buf = b""
-        fd = self.proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([fd], [], [], 0.1)
-            if r:
-                chunk = os.read(fd, 256)
-                if not chunk:
-                    break
-                buf += chunk
-                m = re.search(rb"PORT (\d+)\n", buf)
-                if m:
-                    return int(m.group(1))
-            elif self.proc.poll() is not None:
-                break
+        port = bu.read_port(self.proc, timeout)
+        if port is not None:
+            return port
         self.stop()
         raise Skip("server did not start (exit %s): %s"
                    % (self.proc.returncode, self._stderr_tail()))

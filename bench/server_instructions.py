@@ -67,19 +67,6 @@ def _load(port, n, conns):
     return (n // conns) * conns
 
 
-def _read_port(proc, timeout=120):
-    buf, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        chunk = os.read(proc.stdout.fileno(), 256)
-        if not chunk:
-            break
-        buf += chunk
-        m = re.search(rb"PORT (\d+)\n", buf)
-        if m:
-            return int(m.group(1))
-    raise RuntimeError("the server under valgrind did not start")
-
-
 def measure(config, requests, conns, warmup, tmp):
     """(instructions per request, callgrind dump path) for one config."""
     out = os.path.join(tmp, "cg.%s.out" % re.sub(r"\W", "_", config))
@@ -91,7 +78,9 @@ def measure(config, requests, conns, warmup, tmp):
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
     try:
-        port = _read_port(proc)
+        port = bu.read_port(proc, 120)
+        if port is None:
+            raise RuntimeError("the server under valgrind did not start")
         _load(port, max(conns, warmup), conns)   # warm-up: caches, engine
         time.sleep(0.5)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)],

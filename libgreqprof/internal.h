@@ -24,9 +24,14 @@ typedef struct gqp__map {
     uint64_t *vals;
     size_t cap;   /* power of two, or 0 */
     size_t len;
+    bool borrowed; /* keys/vals are the caller's until the map grows */
 } gqp__map;
 
 GQP__HIDDEN void gqp__map_init(gqp__map *m);
+/* A map that starts in the caller's arrays (cap a power of two, e.g. on
+ * the stack): no allocation until it outgrows them. */
+GQP__HIDDEN void gqp__map_init_buf(gqp__map *m, uint64_t *keys,
+                                   uint64_t *vals, size_t cap);
 GQP__HIDDEN void gqp__map_free(gqp__map *m);
 GQP__HIDDEN void gqp__map_clear(gqp__map *m);
 /* Pointer to the value of key, or NULL.  Inline: it is on the per-call

@@ -17,10 +17,23 @@ void gqp__map_init(gqp__map *m)
     memset(m, 0, sizeof *m);
 }
 
+void gqp__map_init_buf(gqp__map *m, uint64_t *keys, uint64_t *vals,
+                       size_t cap)
+{
+    memset(keys, 0, cap * sizeof *keys);
+    m->keys = keys;
+    m->vals = vals;
+    m->cap = cap;
+    m->len = 0;
+    m->borrowed = true;
+}
+
 void gqp__map_free(gqp__map *m)
 {
-    gqp__free(m->keys);
-    gqp__free(m->vals);
+    if (!m->borrowed) {
+        gqp__free(m->keys);
+        gqp__free(m->vals);
+    }
     gqp__map_init(m);
 }
 
@@ -53,11 +66,14 @@ static bool grow(gqp__map *m)
             nv[j] = m->vals[i];
         }
     }
-    gqp__free(m->keys);
-    gqp__free(m->vals);
+    if (!m->borrowed) {
+        gqp__free(m->keys);
+        gqp__free(m->vals);
+    }
     m->keys = nk;
     m->vals = nv;
     m->cap = ncap;
+    m->borrowed = false;
     return true;
 }
 

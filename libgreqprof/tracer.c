@@ -1149,88 +1149,10 @@ GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t)
 }
 
 /* Per greenlet, the time waited on it, or WAIT_MINE when it is one of the
- * request's own.  Starts in a table on the caller's stack: a window sees
- * a few dozen greenlets, and this runs once per sampled request. */
+ * request's own.  The map starts in arrays on the stack: a window sees a
+ * few dozen greenlets, and this runs once per sampled request. */
 #define WAIT_SLOTS 128
 #define WAIT_MINE UINT64_MAX
-
-typedef struct wait_tab {
-    uint64_t *keys, *vals;
-    size_t cap, len;
-    uint64_t skeys[WAIT_SLOTS], svals[WAIT_SLOTS];
-} wait_tab;
-
-static void wait_init(wait_tab *w)
-{
-    memset(w->skeys, 0, sizeof w->skeys);
-    w->keys = w->skeys;
-    w->vals = w->svals;
-    w->cap = WAIT_SLOTS;
-    w->len = 0;
-}
-
-static void wait_free(wait_tab *w)
-{
-    if (w->keys != w->skeys) {
-        gqp__free(w->keys);
-        gqp__free(w->vals);
-    }
-}
-
-/* Doubles w's capacity; false when out of memory (w unchanged). */
-static bool wait_grow(wait_tab *w)
-{
-    size_t ncap = w->cap * 2, mask = ncap - 1;
-    uint64_t *nk = gqp__calloc(ncap, sizeof *nk);
-    uint64_t *nv = gqp__malloc(ncap * sizeof *nv);
-    if (!nk || !nv) {
-        gqp__free(nk);
-        gqp__free(nv);
-        return false;
-    }
-    for (size_t j = 0; j < w->cap; j++) {
-        if (w->keys[j]) {
-            size_t k = (size_t)((w->keys[j] * 0x9E3779B97F4A7C15ull) >> 17) &
-                       mask;
-            while (nk[k]) {
-                k = (k + 1) & mask;
-            }
-            nk[k] = w->keys[j];
-            nv[k] = w->vals[j];
-        }
-    }
-    wait_free(w);
-    w->keys = nk;
-    w->vals = nv;
-    w->cap = ncap;
-    return true;
-}
-
-/* The slot of id (ids are never 0), inserted when missing (*added set);
- * NULL when the table cannot grow. */
-static inline uint64_t *wait_slot(wait_tab *w, uint64_t id, bool *added)
-{
-    for (;;) {
-        size_t mask = w->cap - 1;
-        size_t i = (size_t)((id * 0x9E3779B97F4A7C15ull) >> 17) & mask;
-        for (; w->keys[i]; i = (i + 1) & mask) {
-            if (w->keys[i] == id) {
-                *added = false;
-                return &w->vals[i];
-            }
-        }
-        if ((w->len + 1) * 2 <= w->cap) {
-            w->keys[i] = id;
-            w->vals[i] = 0;
-            w->len++;
-            *added = true;
-            return &w->vals[i];
-        }
-        if (!wait_grow(w)) {
-            return NULL;
-        }
-    }
-}
 
 GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                               int64_t start_ns, int64_t end_ns,
@@ -1245,8 +1167,9 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         return GQP_EHANDLE;
     }
     uint64_t serial = mine ? mine->serial : 0;
-    wait_tab w;
-    wait_init(&w);
+    uint64_t wkeys[WAIT_SLOTS], wvals[WAIT_SLOTS];
+    gqp__map w;
+    gqp__map_init_buf(&w, wkeys, wvals, WAIT_SLOTS);
     if (mine && atomic_load(&mine->attached) > 0) {
         /* Greenlets attached to mine now are mine all along. */
         for (size_t i = 0; i < t->gmap.cap; i++) {
@@ -1259,9 +1182,9 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                 continue;
             }
             bool added;
-            uint64_t *v = wait_slot(&w, g->id, &added);
+            uint64_t *v = gqp__map_put(&w, g->id, &added);
             if (!v) {
-                wait_free(&w);
+                gqp__map_free(&w);
                 return GQP_ENOMEM;
             }
             *v = WAIT_MINE;
@@ -1282,8 +1205,8 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         }
     }
     size_t from = lo < t->hist_len ? lo + 1 : lo;  /* (it may overlap) */
-    size_t at = (t->hist_head + from) % t->hist_cap; /* one past, wrapping */
-    for (size_t k = from; k-- > 0;) {
+    size_t at = t->hist_cap ? (t->hist_head + from) % t->hist_cap : 0;
+    for (size_t k = from; k-- > 0;) {   /* (at: one past, wrapping) */
         at = at ? at - 1 : t->hist_cap - 1;
         const hist_entry *h = &t->hist[at];
         if (h->end <= start_ns) {
@@ -1293,9 +1216,9 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
             continue;
         }
         bool added;
-        uint64_t *v = wait_slot(&w, h->greenlet_id, &added);
+        uint64_t *v = gqp__map_put(&w, h->greenlet_id, &added);
         if (!v) {
-            wait_free(&w);
+            gqp__map_free(&w);
             return GQP_ENOMEM;
         }
         if (added && serial && gqp__map_get(&mine->gindex, h->greenlet_id)) {
@@ -1328,7 +1251,7 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
         ids[j] = w.keys[i];
         ns[j] = d;
     }
-    wait_free(&w);
+    gqp__map_free(&w);
     *total_ns = total;
     if (complete) {
         *complete = t->hist_overwritten_end == 0 ||

@@ -1073,6 +1073,31 @@ TEST(tracer_long_span_changes_while_running)
 }
 
 /* "greenlets of mine (attached to it, or with totals in it)" */
+/* No history kept (GQP_TRACER_HISTORY 0): nothing waited, and nothing
+ * said to be complete before the window. */
+TEST(waited_without_history)
+{
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    uint64_t ids[2];
+    int64_t ns[2], total = -1;
+    int complete = -1;
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_HISTORY, 0));
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 5);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_run(&c, 5);
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    ASSERT_EQ_I64(gqp_tracer_waited(t, mine, W0, c.wall, &total, ids, ns, 2,
+                                    &complete), 0);
+    ASSERT_EQ_I64(total, 0);
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
 /* More greenlets in the window than waited's table on the stack holds
  * (it grows onto the heap): every one counted once, the top n right. */
 TEST(waited_many_greenlets)
