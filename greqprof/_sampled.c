@@ -1338,9 +1338,10 @@ static int mw_set_open(gqp_mw *self, PyObject *value, void *closure)
 {
     (void)closure;
     long v = value ? PyLong_AsLong(value) : -1;
-    if (v < 0) {
+    if (v < 0 || v > INT_MAX) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "_open must be >= 0");
+            PyErr_SetString(PyExc_ValueError,
+                            "_open must be from 0 to INT_MAX");
         }
         return -1;
     }

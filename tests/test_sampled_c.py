@@ -210,6 +210,9 @@ def test_internal_entry_points_check_their_arguments():
         _registry.new_profile(dict, 10)
     with pytest.raises(ValueError):
         mw._open = -1
+    with pytest.raises(ValueError):
+        mw._open = 2 ** 40   # (was cut to an int)
+    mw._open = 0
     rp = RequestRawProfile.for_request(5)
     assert rp.addr and not rp.closed and rp.attached == 0
     assert rp.spans() == [] and rp.funcs() == []
