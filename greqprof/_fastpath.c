@@ -423,6 +423,9 @@ static int internal_error(gqp_mw *mw, PyObject *where)
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
+    if (!r && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;   /* (raised while logging: a handler that waited) */
+    }
     PyErr_Clear();
     return 0;
 }
@@ -490,6 +493,12 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     if (sampled) {
         return sampled_call(self, st ? st : armed(self), environ,
                             start_response);
+    }
+    if (!self->blocking && self->lingering &&
+        PyDict_GET_SIZE(self->lingering) > 0) {
+        /* (armed() ends the greenlet's lingering request: what it spawns
+         * now is not that request's) */
+        armed(self);
     }
     if (st) {
         uint64_t gid = 0;

@@ -308,11 +308,22 @@ def capture_thread_stack(thread_ident):
     return _registry.stacks.pop(tag, None) if tag else None
 
 
-def drain_long_spans():
-    """Long-span records queued by the hooks since the last call."""
-    recs = _registry.long_spans[:]
-    del _registry.long_spans[:len(recs)]
+def drain_long_spans(thread_ident):
+    """The long-span records the hooks queued for one thread, taken out of
+    the queue.  Only that thread's: another thread's drain may run while
+    this one's logging handler waits (with the GIL released), and each
+    thread removes only its own records, so none is taken twice or held
+    away from its thread."""
+    queue = _registry.long_spans
+    recs = [r for r in list(queue) if r[0] == thread_ident]
+    for r in recs:
+        queue.remove(r)   # (the same object: list.remove tries `is` first)
     return recs
+
+
+def requeue_long_spans(recs):
+    """Puts records back at the front of the queue (not handled yet)."""
+    _registry.long_spans[0:0] = recs
 
 
 _module_by_file = {}

@@ -39,6 +39,8 @@ def _after_fork_in_child():
             except Exception:
                 pass
     _engines.clear()
+    global _engines_lock
+    _engines_lock = threading.Lock()   # (maybe held by a thread now gone)
     _local.__dict__.clear()
     _fork_generation[0] += 1
     Watchdog.instance = None
@@ -226,8 +228,11 @@ class Watchdog:
                     key in eng.sampled_stacks:
                 continue
             stack = _lowlevel.capture_thread_stack(eng.thread_ident)
-            if stack is None:
+            # (the capture released the GIL: if the span ended meanwhile,
+            # the stack may be of what ran next)
+            if stack is None or eng.tracer.running_since() != run:
                 continue
             if len(eng.sampled_stacks) >= self.MAX_STACKS:
-                eng.sampled_stacks.pop(next(iter(eng.sampled_stacks)))
+                for old in list(eng.sampled_stacks)[:1]:
+                    eng.sampled_stacks.pop(old, None)
             eng.sampled_stacks[key] = stack

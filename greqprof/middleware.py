@@ -16,7 +16,7 @@ from .engine import engine_for_thread
 from . import config
 from .config import UNSET
 from .errors import ConfigError
-from .report import render_blocking
+from .report import render_blocking, safe
 from .request_profile import BlockingEvent, RequestProfile
 
 try:
@@ -244,16 +244,20 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def flush(self):
         """Finishes, at once, the profiles of this thread that are still
         waiting for their requests' greenlets (see ``linger``), so nothing
-        is lost when a worker exits.  Returns how many were delivered."""
+        is lost when a worker exits: those of every middleware the thread
+        serves, each delivered by its own.  Returns how many."""
         from .engine import current_engine
         eng = current_engine()
         if eng is None:
             return 0
         n = 0
-        for req in list(eng.lingering.values()):
-            if req.profile is not None and not req.profile.closed and \
+        # pending, not lingering: a request whose greenlet went on to its
+        # next request left lingering but still waits for its children.
+        # Each by its own middleware (several may share the thread).
+        for mw, req in list(eng.pending):
+            if req.profile is not None and req.greenlet is not None and \
                     not req.finalizing:
-                self._finalize(eng, req)
+                mw._finalize(eng, req)
                 n += 1
         return n
 
@@ -319,6 +323,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 self._note_unsampled(environ)
                 return None
             if not cfg.blocking_ns:
+                # What the greenlet spawns now is not its previous,
+                # lingering request's.
+                eng = _engine.current_engine()
+                if eng is not None and eng.lingering:
+                    self._stop_lingering(eng, getcurrent())
                 return None
         eng = engine_for_thread(cfg)
         self._join(eng)
@@ -373,9 +382,31 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             eng.profile_requests[req.addr] = req
         if self.observers:
             req.observed = []
-            for obs in self.observers:
-                self._notify(obs, "on_begin", req)
+            try:
+                for obs in self.observers:
+                    self._notify(obs, "on_begin", req)
+            except BaseException:
+                # (a GreenletExit or Timeout in an observer that waited:
+                # the request never runs, and releases what it took)
+                self._unregister(eng, req)
+                raise
         return req
+
+    def _unregister(self, eng, req):
+        """Undoes _begin's registration of req (its profile dropped)."""
+        if req.profile is not None:
+            eng.tracer.attach_id(req.greenlet, 0)
+            req.profile.close()
+            eng.profile_closed()
+            self._open_release()
+            if self.config.calls:
+                eng.release_calls()
+        if eng.requests.get(req.gid) is req:
+            del eng.requests[req.gid]
+        if eng.profile_requests.get(req.addr) is req:
+            del eng.profile_requests[req.addr]
+        req.done = True
+        req.greenlet = None
 
     @staticmethod
     def _stop_lingering(eng, g):
@@ -455,26 +486,29 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 if run is not None and run[1] == req.gid and \
                         req.end_ns - run[0] >= self.config.blocking_ns:
                     eng.tracer.attach_id(g, 0)
-            self._drain_blocking(eng)
-            if self.observers:
-                # Observers (OpenTelemetry) see the request while its trace
-                # span is still open: what is known at the end of the
-                # response.
-                snapshot = (self._build(eng, req, snapshot=True)
-                            if req.profile is not None else None)
-                for obs in self.observers:
-                    self._notify(obs, "on_response_end", req, snapshot,
-                                 list(req.blocking))
-            if req.profile is not None:
-                if self.linger > 0:
-                    eng.tracer.set_spawn_profile(g, req.profile)
-                    eng.lingering[id(g)] = req
-                    self._schedule_finalize(eng, req)
-                    return
-                self._finalize(eng, req)
-                return
-            if eng.requests.get(req.gid) is req:
-                del eng.requests[req.gid]
+            try:
+                self._drain_blocking(eng)
+                if self.observers:
+                    # Observers (OpenTelemetry) see the request while its
+                    # trace span is still open: what is known at the end
+                    # of the response.
+                    snapshot = (self._build(eng, req, snapshot=True)
+                                if req.profile is not None else None)
+                    for obs in self.observers:
+                        self._notify(obs, "on_response_end", req, snapshot,
+                                     list(req.blocking))
+            finally:
+                # Queued (or finalized) even when a logging handler or an
+                # observer raised a GreenletExit or Timeout, which goes on.
+                if req.profile is not None:
+                    if self.linger > 0:
+                        eng.tracer.set_spawn_profile(g, req.profile)
+                        eng.lingering[id(g)] = req
+                        self._schedule_finalize(eng, req)
+                    else:
+                        self._finalize(eng, req)
+                elif eng.requests.get(req.gid) is req:
+                    del eng.requests[req.gid]
         except Exception as e:
             self._internal_error("finish", e)
         finally:
@@ -584,28 +618,34 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         it belongs to (by its profile, else by its greenlet)."""
         if not _registry.long_spans:
             return
-        keep = []
-        for rec in _lowlevel.drain_long_spans():
-            if rec[0] != eng.thread_ident:
-                keep.append(rec)
-                continue
-            owner = eng.profile_requests.get(rec[7]) if rec[7] else None
-            if owner is not None and rec[2] < owner.start_ns:
-                owner = None  # a freed profile's address, reused since
-            if owner is None:
-                owner = self._request_of_greenlet(eng, rec[10], rec[9])
-            ev = self._blocking_event(eng, rec, owner)
-            if owner is not None and \
-                    len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
-                owner.blocking.append(ev)
-            # Several middlewares may share this thread's engine: each
-            # reports what reaches its own threshold.
-            for mw in list(eng.middlewares) or [self]:
-                if rec[3] - rec[2] >= mw.config.blocking_ns > 0:
-                    mw.stats["blocking"] += 1
-                    mw._log_blocking(ev)
-        if keep:
-            _registry.long_spans.extend(keep)
+        recs = _lowlevel.drain_long_spans(eng.thread_ident)
+        done = 0
+        try:
+            for rec in recs:
+                done += 1
+                self._report_long_span(eng, rec)
+        finally:
+            if done < len(recs):
+                # (a handler raised a GreenletExit or Timeout: the rest
+                # is reported by the next drain)
+                _lowlevel.requeue_long_spans(recs[done:])
+
+    def _report_long_span(self, eng, rec):
+        owner = eng.profile_requests.get(rec[7]) if rec[7] else None
+        if owner is not None and rec[2] < owner.start_ns:
+            owner = None  # a freed profile's address, reused since
+        if owner is None:
+            owner = self._request_of_greenlet(eng, rec[10], rec[9])
+        ev = self._blocking_event(eng, rec, owner)
+        if owner is not None and \
+                len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
+            owner.blocking.append(ev)
+        # Several middlewares may share this thread's engine: each
+        # reports what reaches its own threshold.
+        for mw in list(eng.middlewares) or [self]:
+            if rec[3] - rec[2] >= mw.config.blocking_ns > 0:
+                mw.stats["blocking"] += 1
+                mw._log_blocking(ev)
 
     @staticmethod
     def _request_of_greenlet(eng, chain, note):
@@ -677,10 +717,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             return
         self._errors_logged.add(where)
         try:
+            # (the message may quote request data: escaped like reports)
             self.log.error("greqprof: %s failed (%s: %s); the request was not "
                            "affected; further %s errors are counted in "
-                           "stats['errors']", where, type(exc).__name__, exc,
-                           where)
+                           "stats['errors']", where, type(exc).__name__,
+                           safe(str(exc), 300), where)
         except Exception:
             pass
 

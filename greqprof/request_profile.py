@@ -103,13 +103,15 @@ class RequestProfile:
 
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
-        loader = self.__dict__.pop("_loader", None)
+        loader = self.__dict__.get("_loader")
         if loader is None or name.startswith("__"):
-            if loader is not None:
-                self.__dict__["_loader"] = loader
             raise AttributeError("%r object has no attribute %r"
                                  % (type(self).__name__, name))
+        # The loader goes only once its fields are in: a second thread
+        # reading meanwhile builds them too (the same data), instead of
+        # finding neither; a loader that raised stays for the next read.
         self.__dict__.update(loader[0](loader[1]))
+        self.__dict__.pop("_loader", None)
         return getattr(self, name)
 
     def __getstate__(self):
