@@ -73,6 +73,7 @@ static PyObject *reg_codes;     /* func key -> code object | C-func info */
 static PyObject *reg_stacks;    /* tag -> stack text */
 static PyObject *reg_long;      /* list of long-span records */
 static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
+static PyObject *reg_hub_ids;   /* thread ident -> its hub's id */
 static PyObject *greenlet_settrace;
 static PyObject *greenlet_getcurrent;
 static getter dead_getter;
@@ -159,6 +160,7 @@ static int gqp_py_init(void)
     reg_stacks = PyObject_GetAttrString(reg, "stacks");
     reg_long = PyObject_GetAttrString(reg, "long_spans");
     reg_names = PyObject_GetAttrString(reg, "names");
+    reg_hub_ids = PyObject_GetAttrString(reg, "hub_ids");
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");
         frame_getter = find_getter(gtype, "gr_frame");
@@ -184,7 +186,8 @@ static int gqp_py_init(void)
         goto out;
     }
     if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
-        reg_stacks && reg_long && reg_names &&
+        reg_stacks && reg_long && reg_names && reg_hub_ids &&
+        PyDict_Check(reg_hub_ids) &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
@@ -587,6 +590,18 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         Py_XDECREF(ref);
         if (!st->hub_key && is_hub(target)) {
             st->hub_key = key;
+            /* (told once, from this thread: the watchdog reads ids, never
+             * this thread's state) */
+            uint64_t hid = 0;
+            gqp_tracer_greenlet_id(st->tracer, key, &hid);
+            PyObject *k = PyLong_FromUnsignedLong(st->thread_id);
+            PyObject *v = hid ? PyLong_FromUnsignedLongLong(hid) : NULL;
+            if (k && v) {
+                PyDict_SetItem(reg_hub_ids, k, v);
+            }
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+            PyErr_Clear();
         }
     }
     uint64_t id = 0;

@@ -15,6 +15,9 @@ stacks = {}
 long_spans = []
 #: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
 names = {}
+#: thread ident -> the id of that thread's gevent hub, once the hooks saw
+#: it run (the watchdog does not take the hub's wait for blocking)
+hub_ids = {}
 #: attach(hooks_address, greenlet, profile_address): attaches a greenlet
 #: of the hooks' thread to a profile (0: detaches) and returns its id (a C
 #: function, see _hooks.c)

@@ -39,6 +39,7 @@ def _after_fork_in_child():
             except Exception:
                 pass
     _engines.clear()
+    _registry.hub_ids.clear()
     global _engines_lock
     _engines_lock = threading.Lock()   # (maybe held by a thread now gone)
     _local.__dict__.clear()
@@ -221,6 +222,8 @@ class Watchdog:
             if run is None:
                 continue
             start, gid = run
+            if eng.hub_gid is None:
+                eng.hub_gid = _registry.hub_ids.get(eng.thread_ident)
             if gid == eng.hub_gid:
                 continue  # the hub waiting for I/O is not blocking
             key = (gid, start)
