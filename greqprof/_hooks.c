@@ -91,6 +91,11 @@ static PyObject *own_dir;       /* greqprof's package dir: its frames are
 #define GQP_PY_MAX_LONG 1024
 #define GQP_PY_MAX_STACKS 20000
 #define GQP_PY_MAX_NAMES 65536
+/* Functions named for call tables (calls=True).  Code made at run time
+ * (exec, namedtuple) is new every time: past this, the oldest quarter is
+ * dropped.  A profile still open across that may then show such a
+ * function unnamed (or, were its address reused, under the new name). */
+#define GQP_PY_MAX_CODES 20000
 #define GQP_PY_STACK_DEPTH 40
 
 static getter find_getter(PyObject *type, const char *name)
@@ -702,8 +707,32 @@ static PyMethodDef gqp__trace_def = {"greqprof_switch_hook",
 
 /* ---- the call hook ---------------------------------------------------- */
 
+/* Room for one more function in reg_codes (see GQP_PY_MAX_CODES). */
+static void codes_make_room(void)
+{
+    Py_ssize_t n = PyDict_GET_SIZE(reg_codes);
+    if (n < GQP_PY_MAX_CODES) {
+        return;
+    }
+    PyObject *old = PyList_New(0);
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (old && PyList_GET_SIZE(old) < n / 4 &&
+           PyDict_Next(reg_codes, &pos, &key, &value)) {
+        if (PyList_Append(old, key) < 0) {
+            Py_CLEAR(old);
+        }
+    }
+    for (Py_ssize_t i = 0; old && i < PyList_GET_SIZE(old); i++) {
+        PyDict_DelItem(reg_codes, PyList_GET_ITEM(old, i));
+    }
+    Py_XDECREF(old);
+    PyErr_Clear();
+}
+
 static void register_code(uint64_t key, PyObject *obj)
 {
+    codes_make_room();
     PyObject *k = PyLong_FromUnsignedLongLong(key);
     if (k) {
         PyObject *r = PyDict_SetDefault(reg_codes, k, obj);
@@ -721,6 +750,7 @@ static void register_cfunc(uint64_t key, PyCFunctionObject *fn)
         return;
     }
     if (!PyDict_GetItem(reg_codes, k)) {
+        codes_make_room();
         PyObject *self = fn->m_self;
         const char *owner = NULL;
         if (self && !PyModule_Check(self)) {
