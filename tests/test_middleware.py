@@ -103,6 +103,19 @@ def read_all(sock):
         data += chunk
 
 
+def keepalive_gets(port, paths, body=b"ok"):
+    """GETs paths one after the other on one keep-alive connection (each
+    response ends with body); returns the open socket."""
+    sock = connect(port)
+    buf = b""
+    for path in paths:
+        sock.sendall(("GET %s HTTP/1.1\r\nHost: x\r\n\r\n"
+                      % path).encode())
+        buf = read_until(sock, buf, b"\r\n\r\n" + body)
+        buf = buf.split(b"\r\n\r\n" + body, 1)[1]
+    return sock
+
+
 def read_until(sock, buf, marker):
     """Reads until `marker` is in the received bytes (bounded by the socket
     timeout); returns everything read so far."""

@@ -5,7 +5,7 @@ owner's _open never released)."""
 import gevent
 from gevent import pywsgi
 
-from test_middleware import (serve, wait_for, connect, read_until,  # noqa
+from test_middleware import (keepalive_gets, serve, wait_for,  # noqa
                              reset_greqprof)
 from greqprof import ProfilingMiddleware, engine
 
@@ -27,12 +27,7 @@ def test_flush_misses_keepalive_pending(serve):
 
     s = serve(_app, pct=0.5, rng=rng, linger=5.0, report=False,
               blocking_ms=200)
-    sock = connect(s.port)
-    buf = b""
-    for path in ("/warm", "/first", "/second"):
-        sock.sendall(("GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path).encode())
-        buf = read_until(sock, buf, b"\r\n\r\nok")
-        buf = buf.split(b"\r\n\r\nok", 1)[1]
+    sock = keepalive_gets(s.port, ("/warm", "/first", "/second"))
     wait_for(lambda: [p for p in s.profiles if p.path == "/warm"])
     eng = engine.current_engine()
     print("lingering", eng.lingering, "pending", eng.pending)

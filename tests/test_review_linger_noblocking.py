@@ -4,7 +4,8 @@ the unsampled request (same keep-alive connection) are put in the previous
 request's profile."""
 import gevent
 
-from test_middleware import serve, wait_for, connect, read_until, burn  # noqa
+from test_middleware import (keepalive_gets, serve, wait_for,  # noqa
+                             burn)
 
 KIDS = {}
 
@@ -37,12 +38,7 @@ def test_unsampled_child_goes_to_previous_profile(serve, blocking_ms):
 
     s = serve(_app, pct=0.5, rng=rng, linger=2.0, report=False,
               blocking_ms=blocking_ms)
-    sock = connect(s.port)
-    buf = b""
-    for path in ("/warm", "/first", "/second"):
-        sock.sendall(("GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path).encode())
-        buf = read_until(sock, buf, b"\r\n\r\nok")
-        buf = buf.split(b"\r\n\r\nok", 1)[1]
+    sock = keepalive_gets(s.port, ("/warm", "/first", "/second"))
     p = s.profile_for("/first", timeout=5)
     sock.close()
     names = [(g.id, g.fn_name, g.cpu) for g in p.greenlets]
