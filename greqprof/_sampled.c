@@ -307,15 +307,19 @@ static PyTypeObject gqp_req_type = {
     .tp_weaklistoffset = offsetof(gqp_req, weakrefs),
 };
 
+/* del d[key] if it is value (d may be NULL or not a dict: nothing). */
+static void forget_entry(PyObject *d, PyObject *key, PyObject *value)
+{
+    if (d && PyDict_Check(d) && key &&
+        PyDict_GetItemWithError(d, key) == value) {
+        PyDict_DelItem(d, key);
+    }
+}
+
 static void forget_request_of(PyObject *requests, PyObject *prev)
 {
-    if (!requests || !PyDict_Check(requests) ||
-        !PyObject_TypeCheck(prev, &gqp_req_type)) {
-        return;
-    }
-    PyObject *gid = ((gqp_req *)prev)->gid;
-    if (gid && PyDict_GetItemWithError(requests, gid) == prev) {
-        PyDict_DelItem(requests, gid);
+    if (PyObject_TypeCheck(prev, &gqp_req_type)) {
+        forget_entry(requests, ((gqp_req *)prev)->gid, prev);
     }
 }
 
@@ -1044,14 +1048,8 @@ static void finalize_forget(PyObject *eng, gqp_req *req)
     Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
     PyObject *requests = PyObject_GetAttr(eng, str_requests_attr);
     PyObject *by_addr = PyObject_GetAttr(eng, str_profile_requests);
-    if (requests && PyDict_Check(requests) && req->gid &&
-        PyDict_GetItemWithError(requests, req->gid) == (PyObject *)req) {
-        PyDict_DelItem(requests, req->gid);
-    }
-    if (by_addr && PyDict_Check(by_addr) && req->addr &&
-        PyDict_GetItemWithError(by_addr, req->addr) == (PyObject *)req) {
-        PyDict_DelItem(by_addr, req->addr);
-    }
+    forget_entry(requests, req->gid, (PyObject *)req);
+    forget_entry(by_addr, req->addr, (PyObject *)req);
     Py_XDECREF(requests);
     Py_XDECREF(by_addr);
     PyErr_Clear();

@@ -401,10 +401,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._open_release()
             if self.config.calls:
                 eng.release_calls()
-        if eng.requests.get(req.gid) is req:
-            del eng.requests[req.gid]
-        if eng.profile_requests.get(req.addr) is req:
-            del eng.profile_requests[req.addr]
+        _forget(eng, req)
         req.done = True
         req.greenlet = None
 
@@ -571,10 +568,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._internal_error("finish", e)
         finally:
             req.greenlet = None
-            if eng.requests.get(req.gid) is req:
-                del eng.requests[req.gid]
-            if eng.profile_requests.get(req.addr) is req:
-                del eng.profile_requests[req.addr]
+            _forget(eng, req)
 
     def _build(self, eng, req, snapshot=False):
         """The RequestProfile of req (_sampled.c's build_profile, which
@@ -724,6 +718,14 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                            safe(str(exc), 300), where)
         except Exception:
             pass
+
+
+def _forget(eng, req):
+    """req leaves the engine's dicts of open requests."""
+    if eng.requests.get(req.gid) is req:
+        del eng.requests[req.gid]
+    if eng.profile_requests.get(req.addr) is req:
+        del eng.profile_requests[req.addr]
 
 
 #: seconds the finisher stays up after a batch, collecting more: profiles
