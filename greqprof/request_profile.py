@@ -104,6 +104,8 @@ class RequestProfile:
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
         loader = self.__dict__.get("_loader")
+        if loader is None and name in self.__dict__:
+            return self.__dict__[name]   # (another thread just built it)
         if loader is None or name.startswith("__"):
             raise AttributeError("%r object has no attribute %r"
                                  % (type(self).__name__, name))
