@@ -141,7 +141,7 @@ ffi.set_source(
     # _core.c only #includes these: rebuild when they change.
     depends=[os.path.relpath(p, ROOT) for p in (
         os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
-        os.path.join(HERE, "_sampled.c"),
+        os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",
                                                      "greqprof.h"),
         os.path.join(LIB, "internal.h"))],

@@ -16,6 +16,8 @@
 #include <frameobject.h>
 #include <string.h>
 
+#include "_compat.h"
+
 #include "greqprof.h"
 
 typedef struct gqp_py_thread {
@@ -37,6 +39,8 @@ typedef struct gqp_py_thread {
     uint64_t gen;              /* unique per start: _fastpath.c's arming */
     struct gqp_note *notes;    /* requests of live greenlets (_fastpath.c) */
     int open_profiles;         /* sampled profiles open (_sampled.c) */
+    int busy;                  /* hooks running on it (st_enter) */
+    int orphan;                /* freed while busy: the last st_leave frees */
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -76,14 +80,21 @@ static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
 static PyObject *reg_hub_ids;   /* thread ident -> its hub's id */
 static PyObject *greenlet_settrace;
 static PyObject *greenlet_getcurrent;
-static getter dead_getter;
-static getter frame_getter;
-static getter parent_getter;
+/* greenlet's `dead`, `gr_frame` and `parent` descriptors, called through
+ * their type's __get__ slot: an attribute lookup per switch costs more. */
+typedef struct {
+    PyObject *descr;
+    descrgetfunc get;
+} gqp_getter;
+static gqp_getter dead_getter;
+static gqp_getter frame_getter;
+static gqp_getter parent_getter;
 static uint32_t next_tag = 1;
 static PyObject *hub_module_name;
 static PyObject *name_str;       /* "name", interned */
 static PyObject *run_str;        /* "_run" */
 static PyObject *spawning_str;   /* "spawning_greenlet" */
+static PyObject *co_filename_str, *co_name_str;
 static PyObject *fn_names;       /* code address -> (code, qualified name) */
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
                                    left out of captured stacks */
@@ -98,16 +109,27 @@ static PyObject *own_dir;       /* greqprof's package dir: its frames are
 #define GQP_PY_MAX_CODES 20000
 #define GQP_PY_STACK_DEPTH 40
 
-static getter find_getter(PyObject *type, const char *name)
+/* A data descriptor of type (kept for the process's life), or {NULL}. */
+static gqp_getter find_getter(PyObject *type, const char *name)
 {
+    gqp_getter g = {NULL, NULL};
     PyObject *d = PyObject_GetAttrString(type, name);
-    getter g = NULL;
     if (d && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
-        g = ((PyGetSetDescrObject *)d)->d_getset->get;
+        g.get = (descrgetfunc)PyType_GetSlot(Py_TYPE(d), Py_tp_descr_get);
     }
-    Py_XDECREF(d);
+    if (g.get) {
+        g.descr = d;
+    } else {
+        Py_XDECREF(d);
+    }
     PyErr_Clear();
     return g;
+}
+
+/* obj.<descriptor>: a new reference, or NULL with an exception set. */
+static PyObject *getter_call(const gqp_getter *g, PyObject *obj)
+{
+    return g->get(g->descr, obj, (PyObject *)Py_TYPE(obj));
 }
 
 /* defined with their functions below */
@@ -147,6 +169,8 @@ static int gqp_py_init(void)
     name_str = PyUnicode_InternFromString("name");
     run_str = PyUnicode_InternFromString("_run");
     spawning_str = PyUnicode_InternFromString("spawning_greenlet");
+    co_filename_str = PyUnicode_InternFromString("co_filename");
+    co_name_str = PyUnicode_InternFromString("co_name");
     fn_names = PyDict_New();
     PyObject *file = PyObject_GetAttrString(reg, "__file__");
     if (file && PyUnicode_Check(file)) {
@@ -193,7 +217,7 @@ static int gqp_py_init(void)
     if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
         reg_stacks && reg_long && reg_names && reg_hub_ids &&
         PyDict_Check(reg_hub_ids) &&
-        dead_getter && frame_getter && PyDict_Check(reg_codes) &&
+        dead_getter.get && frame_getter.get && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
         rc = 0;
@@ -206,11 +230,53 @@ out:
     return rc;
 }
 
+/* ---- the state's lifetime -------------------------------------------- */
+
+/* The hooks run Python (a greenlet's attributes, a garbage collection's
+ * finalizers), which may stop the profiler and free the state they work
+ * on: while a hook runs, the state is only marked (orphan) and the hook
+ * frees it when it leaves.  After any call that can run Python a hook
+ * checks st_live before touching the tracer again. */
+static void st_release(gqp_py_thread *st)
+{
+    if (st->busy) {
+        st->active = 0;
+        st->tracer = NULL;
+        st->orphan = 1;
+        return;
+    }
+    ((gqp_hookref *)st->ref)->st = NULL;
+    Py_XDECREF(st->trace_fn);
+    Py_XDECREF(st->ref);
+    Py_XDECREF(st->prev_trace);
+    Py_XDECREF(st->prev_prof_obj);
+    notes_free(st);
+    free(st);
+}
+
+static void st_enter(gqp_py_thread *st)
+{
+    st->busy++;
+}
+
+static void st_leave(gqp_py_thread *st)
+{
+    if (--st->busy == 0 && st->orphan) {
+        st_release(st);
+    }
+}
+
+/* Still profiling (after something that may have run Python). */
+static int st_live(const gqp_py_thread *st)
+{
+    return st->active && st->tracer;
+}
+
 /* ---- helpers (GIL held) ---------------------------------------------- */
 
 static int is_dead(PyObject *g)
 {
-    PyObject *v = dead_getter(g, NULL);
+    PyObject *v = getter_call(&dead_getter, g);
     if (!v) {
         PyErr_Clear();
         return 0;
@@ -263,18 +329,26 @@ static PyObject *run_name(PyObject *run)
     if (!fn_names || !PyFunction_Check(f)) {
         return qualified_name(run);
     }
-    PyObject *code = PyFunction_GET_CODE(f);
+    /* Held: the function's __code__ may be replaced (and the old code
+     * freed) by Python that runs below (the name's lookups, a garbage
+     * collection's finalizers). */
+    PyObject *code = Py_NewRef(PyFunction_GetCode(f));
     PyObject *key = PyLong_FromVoidPtr(code);
     if (!key) {
         PyErr_Clear();
+        Py_DECREF(code);
         return qualified_name(run);
     }
-    PyObject *hit = PyDict_GetItemWithError(fn_names, key);
-    if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
-        PyTuple_GET_ITEM(hit, 0) == code) {
+    PyObject *hit = NULL;
+    if (PyDict_GetItemRef(fn_names, key, &hit) > 0 && PyTuple_Check(hit) &&
+        PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == code) {
+        PyObject *res = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+        Py_DECREF(hit);
         Py_DECREF(key);
-        return Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+        Py_DECREF(code);
+        return res;
     }
+    Py_XDECREF(hit);
     PyErr_Clear();
     PyObject *res = qualified_name(run);
     if (res) {
@@ -288,6 +362,7 @@ static PyObject *run_name(PyObject *run)
         Py_XDECREF(val);
     }
     Py_DECREF(key);
+    Py_DECREF(code);
     return res;
 }
 
@@ -302,15 +377,14 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
      * the greenlet's repr from then on, so reading it would change the app.
      * Other greenlets go by their class name. */
     PyObject *n = NULL;
-    PyObject **dictptr = _PyObject_GetDictPtr(g);
-    if (dictptr && *dictptr && PyDict_Check(*dictptr)) {
-        n = PyDict_GetItemWithError(*dictptr, name_str);
-        if (n && PyUnicode_Check(n)) {
-            Py_INCREF(n);
-        } else {
-            n = NULL;
-        }
+    /* The dict is held while searched: a key whose hash equals "name"'s
+     * has its __eq__ run, which may replace g.__dict__ and free it. */
+    PyObject *dict = PyObject_GenericGetDict(g, NULL);
+    if (dict && PyDict_Check(dict) &&
+        PyDict_GetItemRef(dict, name_str, &n) > 0 && !PyUnicode_Check(n)) {
+        Py_CLEAR(n);
     }
+    Py_XDECREF(dict);
     PyErr_Clear();
     if (!n) {
         const char *tn = Py_TYPE(g)->tp_name;
@@ -358,8 +432,8 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
         Py_XDECREF(self);
         Py_DECREF(run);
     }
-    if (!*fn_name && parent_getter) {
-        PyObject *parent = parent_getter(g, NULL);
+    if (!*fn_name && parent_getter.get) {
+        PyObject *parent = getter_call(&parent_getter, g);
         PyErr_Clear();
         if (parent == Py_None) {
             *fn_name = PyUnicode_FromString("<main>");
@@ -374,9 +448,17 @@ static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
 {
     PyObject *name = NULL, *fn = NULL;
     PyObject *key = PyLong_FromUnsignedLongLong(id);
+    /* The profile is retained: naming runs the app's Python, which may end
+     * the request and free it. */
+    if (p) {
+        gqp_profile_retain(p);
+    }
     /* Ids are never reused, so names found once stay right: a connection
      * greenlet attached to every sampled request it serves is named once. */
-    PyObject *known = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    PyObject *known = NULL;
+    if (key) {
+        PyDict_GetItemRef(reg_names, key, &known);
+    }
     PyErr_Clear();
     if (known && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 2) {
         name = Py_NewRef(PyTuple_GET_ITEM(known, 0));
@@ -401,7 +483,9 @@ static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
         const char *cf = fn && fn != Py_None ? PyUnicode_AsUTF8(fn) : NULL;
         PyErr_Clear();
         gqp_profile_name_greenlet(p, id, cn ? cn : "", cf ? cf : "");
+        gqp_profile_free(p);
     }
+    Py_XDECREF(known);
     Py_XDECREF(key);
     Py_XDECREF(name);
     Py_XDECREF(fn);
@@ -420,11 +504,23 @@ static PyObject *format_stack(PyObject *frame_obj)
     PyFrameObject *f = (PyFrameObject *)frame_obj;
     Py_INCREF(f);
     while (f && n < GQP_PY_STACK_DEPTH) {
+        /* (attributes, not PyCodeObject's fields: its layout is private) */
         PyCodeObject *co = PyFrame_GetCode(f);
-        if (own_dir && PyUnicode_Tailmatch(co->co_filename, own_dir, 0,
+        PyObject *file = PyObject_GetAttr((PyObject *)co, co_filename_str);
+        PyObject *func = file ? PyObject_GetAttr((PyObject *)co, co_name_str)
+                              : NULL;
+        Py_DECREF(co);
+        if (!func || !PyUnicode_Check(file) || !PyUnicode_Check(func)) {
+            Py_XDECREF(file);
+            Py_XDECREF(func);
+            PyErr_Clear();
+            break;
+        }
+        if (own_dir && PyUnicode_Tailmatch(file, own_dir, 0,
                                            PY_SSIZE_T_MAX, -1) == 1) {
             /* greqprof's own frames say nothing about the app. */
-            Py_DECREF(co);
+            Py_DECREF(file);
+            Py_DECREF(func);
             PyFrameObject *back = PyFrame_GetBack(f);
             Py_DECREF(f);
             f = back;
@@ -432,8 +528,9 @@ static PyObject *format_stack(PyObject *frame_obj)
         }
         int line = PyFrame_GetLineNumber(f);
         lines[n] = PyUnicode_FromFormat("  File \"%.300U\", line %d, in %.200U\n",
-                                        co->co_filename, line, co->co_name);
-        Py_DECREF(co);
+                                        file, line, func);
+        Py_DECREF(file);
+        Py_DECREF(func);
         if (!lines[n]) {
             PyErr_Clear();
             break;
@@ -500,15 +597,19 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     if (gqp_tracer_last_span(st->tracer, &sp, &p, &idx) != GQP_OK) {
         return;
     }
+    /* Retained: what runs below may run Python (a garbage collection's
+     * finalizers, a greenlet's attributes) that ends the request. */
+    if (p) {
+        gqp_profile_retain(p);
+    }
     uint32_t tag = 0;
     if (st->stacks && !dead) {
-        PyObject *fr = frame_getter(origin, NULL);
+        PyObject *fr = getter_call(&frame_getter, origin);
         PyErr_Clear();
         if (!fr || fr == Py_None) {
             /* A running greenlet (a split span): where it is now. */
             Py_XDECREF(fr);
-            fr = (PyObject *)PyEval_GetFrame();
-            Py_XINCREF(fr);
+            fr = (PyObject *)PyThreadState_GetFrame(PyThreadState_Get());
         }
         PyObject *text = format_stack(fr);
         Py_XDECREF(fr);
@@ -521,7 +622,7 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     if (!st->inherit || PyList_GET_SIZE(reg_long) >= GQP_PY_MAX_LONG) {
         /* Only the middleware's engines drain blocking records; the
          * whole-process Profiler just keeps the stack with the span. */
-        return;
+        goto out;
     }
     /* Name it now if nobody did: only greenlets in profiles are named
      * eagerly. */
@@ -533,25 +634,33 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
      * its greenlet dies, maybe before Python drains this record. */
     PyObject *chain = spawner_chain(st, origin, sp.greenlet_id);
     PyObject *note = chain ? note_find(st, chain) : NULL;
-    /* Its names too: the registry drops a dead greenlet's soon. */
+    /* Its names too: the registry drops a dead greenlet's soon.  (Held:
+     * building the record may collect garbage, whose finalizers may.) */
     PyObject *key = PyLong_FromUnsignedLongLong(sp.greenlet_id);
-    PyObject *names = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    PyObject *names = NULL;
+    if (key) {
+        PyDict_GetItemRef(reg_names, key, &names);
+    }
     Py_XDECREF(key);
     PyErr_Clear();
     PyObject *rec = Py_BuildValue(
-        "(kKLLLIIKKNNO)", st->thread_id, (unsigned long long)sp.greenlet_id,
+        "(kKLLLIIKKNNN)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
         (unsigned)sp.flags, (unsigned)tag,
         (unsigned long long)(uintptr_t)p,
         (unsigned long long)(uintptr_t)origin,
         note ? note : Py_NewRef(Py_None),
         chain ? chain : PyTuple_New(0),
-        names ? names : Py_None);
+        names ? names : Py_NewRef(Py_None));
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
     }
     PyErr_Clear();
+out:
+    if (p) {
+        gqp_profile_free(p);
+    }
 }
 
 /* 1 when g is a gevent Hub (only once gevent.hub has been imported).  The
@@ -585,15 +694,16 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         /* gevent records who spawned a Greenlet (a weak reference). */
         PyObject *ref = PyObject_GetAttr(target, spawning_str);
         PyErr_Clear();
-        if (ref && PyWeakref_Check(ref)) {
-            PyObject *parent = PyWeakref_GetObject(ref);
-            if (parent && parent != Py_None) {
-                uint64_t pkey = (uint64_t)(uintptr_t)parent;
-                gqp_tracer_inherit(st->tracer, key, pkey);
-            }
+        PyObject *parent = NULL;
+        if (ref && PyWeakref_Check(ref) &&
+            PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
+            uint64_t pkey = (uint64_t)(uintptr_t)parent;
+            gqp_tracer_inherit(st->tracer, key, pkey);
         }
+        Py_XDECREF(parent);
         Py_XDECREF(ref);
-        if (!st->hub_key && is_hub(target)) {
+        PyErr_Clear();
+        if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
             /* (told once, from this thread: the watchdog reads ids, never
              * this thread's state) */
@@ -611,7 +721,8 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     }
     uint64_t id = 0;
     gqp_profile *p = NULL;
-    if (gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
+    if (st_live(st) &&
+        gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
         /* Names cost a few attribute lookups: only for greenlets whose
          * spans are recorded (and the hub); others get named if they ever
          * hold the loop too long (on_long_span). */
@@ -664,7 +775,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         PyTuple_GET_SIZE(pair) != 2) {
         Py_RETURN_NONE;
     }
-    if (st && st->active) {
+    if (!st) {
+        Py_RETURN_NONE;
+    }
+    st_enter(st);
+    if (st->active) {
         PyObject *origin = PyTuple_GET_ITEM(pair, 0);
         PyObject *target = PyTuple_GET_ITEM(pair, 1);
         int dead = is_dead(origin);
@@ -683,7 +798,7 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             if (ev & GQP_EV_LONG_SPAN) {
                 on_long_span(st, origin, dead);
             }
-            if (ev & GQP_EV_NEW_GREENLET) {
+            if ((ev & GQP_EV_NEW_GREENLET) && st_live(st)) {
                 on_new_greenlet(st, target);
             }
         }
@@ -693,10 +808,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             note_forget(st, dead_id);
         }
     }
-    if (st && st->prev_trace) {
-        return PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL);
-    }
-    Py_RETURN_NONE;
+    PyObject *res = st->prev_trace
+        ? PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL)
+        : Py_NewRef(Py_None);
+    st_leave(st);
+    return res;
 }
 
 /* METH_FASTCALL: no argument tuple is built for the call itself. */
@@ -742,28 +858,36 @@ static void register_code(uint64_t key, PyObject *obj)
     PyErr_Clear();
 }
 
-static void register_cfunc(uint64_t key, PyCFunctionObject *fn)
+static void register_cfunc(uint64_t key, PyObject *fn)
 {
     PyObject *k = PyLong_FromUnsignedLongLong(key);
     if (!k) {
         PyErr_Clear();
         return;
     }
-    if (!PyDict_GetItem(reg_codes, k)) {
+    int known = PyDict_Contains(reg_codes, k);
+    if (known == 0) {
         codes_make_room();
-        PyObject *self = fn->m_self;
+        /* fn is a builtin_function_or_method: these attributes are its
+         * fields (no Python runs); self is held by fn. */
+        PyObject *self = PyCFunction_GetSelf(fn);
         const char *owner = NULL;
         if (self && !PyModule_Check(self)) {
             owner = PyType_Check(self) ? ((PyTypeObject *)self)->tp_name
                                        : Py_TYPE(self)->tp_name;
         }
-        PyObject *info = Py_BuildValue(
-            "(ssOz)", "builtin", fn->m_ml->ml_name,
-            fn->m_module ? fn->m_module : Py_None, owner);
+        PyObject *name = PyObject_GetAttrString(fn, "__name__");
+        PyObject *mod = name ? PyObject_GetAttrString(fn, "__module__")
+                             : NULL;
+        PyObject *info = mod ? Py_BuildValue("(sOOz)", "builtin", name,
+                                             mod, owner)
+                             : NULL;
         if (info) {
             PyDict_SetItem(reg_codes, k, info);
             Py_DECREF(info);
         }
+        Py_XDECREF(name);
+        Py_XDECREF(mod);
     }
     Py_DECREF(k);
     PyErr_Clear();
@@ -773,7 +897,11 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
                         PyObject *arg)
 {
     gqp_py_thread *st = ((gqp_hookref *)obj)->st;
-    if (st && st->active && st->calls) {
+    if (!st) {
+        return 0;
+    }
+    st_enter(st);
+    if (st->active && st->calls) {
         switch (what) {
         case PyTrace_CALL: {
             PyCodeObject *co = PyFrame_GetCode(frame);
@@ -790,11 +918,12 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
             break;
         case PyTrace_C_CALL:
             if (st->builtins && PyCFunction_Check(arg)) {
-                PyCFunctionObject *fn = (PyCFunctionObject *)arg;
-                uint64_t key = (uint64_t)(uintptr_t)fn->m_ml;
+                /* Keyed by its C function: one per builtin, and no read
+                 * of PyCFunctionObject's private fields. */
+                uint64_t key = (uint64_t)(uintptr_t)PyCFunction_GET_FUNCTION(arg);
                 int ev = gqp_tracer_call(st->tracer, key);
                 if (ev > 0 && (ev & GQP_EV_NEW_FUNC)) {
-                    register_cfunc(key, fn);
+                    register_cfunc(key, arg);
                 }
             }
             break;
@@ -808,10 +937,10 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
             break;
         }
     }
-    if (st && st->prev_prof) {
-        return st->prev_prof(st->prev_prof_obj, frame, what, arg);
-    }
-    return 0;
+    int rc = st->prev_prof ? st->prev_prof(st->prev_prof_obj, frame, what, arg)
+                           : 0;
+    st_leave(st);
+    return rc;
 }
 
 /* ---- installing ------------------------------------------------------- */
@@ -850,13 +979,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         old->installed = 0;
         if (!old->tracer) {
             /* Its owner already let go of it (gqp_py_thread_free). */
-            ((gqp_hookref *)old->ref)->st = NULL;
-            Py_XDECREF(old->trace_fn);
-            Py_XDECREF(old->ref);
-            Py_XDECREF(old->prev_trace);
-            Py_XDECREF(old->prev_prof_obj);
-            notes_free(old);
-            free(old);
+            st_release(old);
         } else {
             old->profile_installed = 0;
         }
@@ -1033,13 +1156,7 @@ static void gqp_py_thread_free(gqp_py_thread *st)
         st->active = 0;
         st->tracer = NULL;
     } else {
-        ((gqp_hookref *)st->ref)->st = NULL;
-        Py_XDECREF(st->trace_fn);
-        Py_XDECREF(st->ref);
-        Py_XDECREF(st->prev_trace);
-        Py_XDECREF(st->prev_prof_obj);
-        notes_free(st);
-        free(st);
+        st_release(st);
     }
     PyGILState_Release(gs);
 }
@@ -1056,15 +1173,19 @@ static int64_t attach_greenlet(gqp_py_thread *st, PyObject *g, gqp_profile *p)
     if (rc < 0) {
         return rc;
     }
+    st_enter(st);
     if (rc & GQP_EV_LONG_SPAN) {
         on_long_span(st, g, 0);
     }
     uint64_t id = 0;
-    gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
+    if (st_live(st)) {
+        gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
+    }
     if (p && id) {
         name_in_profile(st, g, id, p);
     }
     PyErr_Clear();
+    st_leave(st);
     return (int64_t)(id & INT64_MAX);
 }
 
@@ -1176,18 +1297,24 @@ static uint32_t gqp_py_capture_thread(unsigned long thread_id)
 {
     PyGILState_STATE gs = PyGILState_Ensure();
     uint32_t tag = 0;
-    PyObject *frames = _PyThread_CurrentFrames();
-    if (frames) {
+    /* sys._current_frames(), the documented way to another thread's frame
+     * (its C function, _PyThread_CurrentFrames, is private). */
+    PyObject *fn = PySys_GetObject("_current_frames");   /* borrowed */
+    Py_XINCREF(fn);
+    PyObject *frames = fn ? PyObject_CallNoArgs(fn) : NULL;
+    Py_XDECREF(fn);
+    if (frames && PyDict_Check(frames)) {
         PyObject *k = PyLong_FromUnsignedLong(thread_id);
-        PyObject *fr = k ? PyDict_GetItem(frames, k) : NULL;
-        if (fr) {
+        PyObject *fr = NULL;
+        if (k && PyDict_GetItemRef(frames, k, &fr) > 0) {
             PyObject *text = format_stack(fr);
             tag = store_stack(text);
             Py_XDECREF(text);
         }
+        Py_XDECREF(fr);
         Py_XDECREF(k);
-        Py_DECREF(frames);
     }
+    Py_XDECREF(frames);
     PyErr_Clear();
     PyGILState_Release(gs);
     return tag;
@@ -1259,11 +1386,11 @@ static int name_from_registry(PyObject *names, uint64_t id)
     }
     int rc = PyDict_Contains(names, key);
     if (rc == 0) {
-        PyObject *n = PyDict_GetItemWithError(reg_names, key); /* borrowed */
-        if (n) {
+        PyObject *n = NULL;
+        rc = PyDict_GetItemRef(reg_names, key, &n);
+        if (rc > 0) {
             rc = PyDict_SetItem(names, key, n);
-        } else if (PyErr_Occurred()) {
-            rc = -1;
+            Py_DECREF(n);
         }
     }
     Py_DECREF(key);
@@ -1415,14 +1542,15 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         if (!key) {
             goto done;
         }
-        PyObject *known = PyDict_GetItemWithError(reg_names, key);
-        PyObject *pair = known || !PyErr_Occurred() ? row_names(&g, known)
-                                                    : NULL;
+        PyObject *known = NULL;
+        PyObject *pair = PyDict_GetItemRef(reg_names, key, &known) >= 0
+                             ? row_names(&g, known) : NULL;
         int rc = pair ? 0 : -1;
         if (pair && pair != Py_None) {
             rc = PyDict_SetItem(names, key, pair);
         }
         Py_DECREF(key);
+        Py_XDECREF(known);
         Py_XDECREF(pair);
         if (rc < 0) {
             goto done;
@@ -1491,8 +1619,10 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
     }
     for (int i = 0; i < got; i++) {
         PyObject *key = PyLong_FromUnsignedLongLong(ids[i]);
-        PyObject *known = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
-        if (!key || (!known && PyErr_Occurred())) {
+        /* (held: the tuples below may collect garbage, whose finalizers
+         * may change the registry) */
+        PyObject *known = NULL;
+        if (!key || PyDict_GetItemRef(reg_names, key, &known) < 0) {
             Py_XDECREF(key);
             goto done;
         }
@@ -1500,13 +1630,14 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         PyObject *w = PyLong_FromLongLong(ns[i]);
         if (!row || !w) {
             Py_DECREF(key);
+            Py_XDECREF(known);
             Py_XDECREF(row);
             Py_XDECREF(w);
             goto done;
         }
         PyTuple_SET_ITEM(row, 0, key);
         PyTuple_SET_ITEM(row, 1, w);
-        PyTuple_SET_ITEM(row, 2, Py_NewRef(known ? known : Py_None));
+        PyTuple_SET_ITEM(row, 2, known ? known : Py_NewRef(Py_None));
         PyTuple_SET_ITEM(it[5], i, row);
     }
 
