@@ -295,8 +295,12 @@ static PyObject *qualified_name(PyObject *fn)
         qn = PyObject_GetAttrString(fn, "__name__");
     }
     if (!qn) {
+        /* (the type held: the lookups above may have changed fn's class,
+         * dropping the old one) */
+        PyObject *type = Py_NewRef((PyObject *)Py_TYPE(fn));
         PyErr_Clear();
-        qn = PyObject_GetAttrString((PyObject *)Py_TYPE(fn), "__qualname__");
+        qn = PyObject_GetAttrString(type, "__qualname__");
+        Py_DECREF(type);
     }
     if (!qn || !PyUnicode_Check(qn)) {
         Py_XDECREF(qn);
@@ -403,7 +407,9 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
              * that error as a C++ exception, microseconds to unwind): only
              * a subclass's run method (gevent's Hub) names it. */
             PyErr_Clear();
-            run = PyObject_GetAttrString((PyObject *)Py_TYPE(g), "run");
+            PyObject *type = Py_NewRef((PyObject *)Py_TYPE(g));
+            run = PyObject_GetAttrString(type, "run");
+            Py_DECREF(type);
             if (run && Py_IS_TYPE(run, &PyGetSetDescr_Type)) {
                 Py_CLEAR(run);
             }
