@@ -200,7 +200,10 @@ def make_function(name):
     """A new function (own code object, so its own FuncStat) named `name`."""
     def template():
         return 1
-    code = template.__code__.replace(co_name=name, co_qualname=name)
+    names = {"co_name": name}
+    if hasattr(template.__code__, "co_qualname"):   # (3.11+)
+        names["co_qualname"] = name
+    code = template.__code__.replace(**names)
     return types.FunctionType(code, globals(), name)
 
 
