@@ -75,3 +75,15 @@ def _to_str(value):
     if type(text) is not str:
         text = str.__str__(text)
     return text
+
+
+def clean_lines(text, limit=None):
+    """``clean`` for multi-line text such as stacks: each line is cleaned
+    (``limit`` applies per line), the line breaks stay."""
+    if text is None:
+        return None
+    if type(text) is not str:
+        text = _to_str(text)
+    if text.isprintable() and limit is None:
+        return text
+    return "\n".join([clean(line, limit) for line in text.split("\n")])

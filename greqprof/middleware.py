@@ -16,6 +16,7 @@ from .engine import engine_for_thread
 from . import config
 from .config import UNSET
 from .errors import ConfigError
+from ._text import clean
 from .report import render_blocking, safe
 from .request_profile import BlockingEvent, RequestProfile
 
@@ -335,10 +336,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req = _OpenRequest()
         req.generation = _engine.fork_generation()
         req.greenlet = g
-        req.method = str(environ.get("REQUEST_METHOD", ""))[:32]
-        req.path = str(environ.get("PATH_INFO", ""))[:MAX_PATH]
+        # (clean text: greqprof/_text.py; bytes are read as latin-1)
+        req.method = clean(environ.get("REQUEST_METHOD") or "")[:32]
+        req.path = clean(environ.get("PATH_INFO") or "")[:MAX_PATH]
         rid = environ.get("HTTP_X_REQUEST_ID")
-        req.request_id = str(rid)[:MAX_REQUEST_ID] if rid else None
+        req.request_id = clean(rid)[:MAX_REQUEST_ID] if rid else None
         req.status = None
         req.error = None
         req.done = False
@@ -668,6 +670,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         method = path = rid = None
         if owner is not None:
             method, path, rid = owner.method, owner.path, owner.request_id
+        name, fn, stack, sampled, method, path, rid = _collect.blocking_texts(
+            name, fn, stack, sampled, method, path, rid)
         origin_epoch = _lowlevel.lib.gqp_clock_epoch_ns() - _lowlevel.wall_ns()
         return BlockingEvent(
             greenlet_id=gid, greenlet_name=name or "", fn_name=fn or "",
