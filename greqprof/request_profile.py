@@ -47,6 +47,11 @@ def read_json(path):
         if size > MAX_FILE_BYTES:
             raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
         data = f.read(MAX_FILE_BYTES + 1)   # (a pipe has no size)
+    return parse_json(data)
+
+
+def parse_json(data):
+    """read_json's checks on bytes already read."""
     if len(data) > MAX_FILE_BYTES:
         raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
     try:
