@@ -230,7 +230,8 @@ class RequestProfile:
         ``_Reader``); anything else raises ValueError naming the field.
         Text is cleaned like text greqprof records (greqprof/_text.py), so
         a profile saved before that rule, or edited by hand, renders as
-        escaped text.  Keys this version does not know are ignored."""
+        escaped text.  Unknown keys are ignored at the top level and refused
+        in records (spans, calls, ...)."""
         if not isinstance(d, dict):
             raise ValueError("a RequestProfile dict is expected, got %s"
                              % type(d).__name__)
@@ -238,6 +239,14 @@ class RequestProfile:
         if schema != SCHEMA:
             raise ValueError("unsupported profile schema %s (expected %r)"
                              % (clean(repr(schema), 80), SCHEMA))
+        try:
+            return cls._from_dict(d)
+        except ValueError as e:
+            raise ValueError("malformed RequestProfile dict: %s" % e) \
+                from None
+
+    @classmethod
+    def _from_dict(cls, d):
         r = _Reader()
         span = r.span
         w = r.dict(d, "waiting", "waiting", optional=True) or {}
@@ -398,14 +407,19 @@ class _Reader:
         return self.obj(v, where)
 
     @staticmethod
-    def obj(x, where):
+    def obj(x, where, fields=None):
         if not isinstance(x, dict):
             raise ValueError("%s: an object expected, got %s"
                              % (where, type(x).__name__))
+        if fields is not None:
+            for k in x:
+                if k not in fields:
+                    raise ValueError("%s: unknown field %s"
+                                     % (where, clean(repr(k), 60)))
         return x
 
     def span(self, x, where):
-        x = self.obj(x, where)
+        x = self.obj(x, where, _SPAN_FIELDS)
         w = where + "."
         return Span(
             self.count(x, "greenlet_id", w + "greenlet_id"),
@@ -420,7 +434,7 @@ class _Reader:
             self.bool(x, "long", w + "long", default=False))
 
     def waited(self, x, where):
-        x = self.obj(x, where)
+        x = self.obj(x, where, _WAITED_FIELDS)
         w = where + "."
         return WaitedOn(
             greenlet_id=self.count(x, "greenlet_id", w + "greenlet_id"),
@@ -429,7 +443,7 @@ class _Reader:
             seconds=self.seconds(x, "seconds", w + "seconds"))
 
     def greenlet(self, x, where):
-        x = self.obj(x, where)
+        x = self.obj(x, where, _GREENLET_FIELDS)
         w = where + "."
         return GreenletStat(
             id=self.count(x, "id", w + "id"),
@@ -442,7 +456,7 @@ class _Reader:
                                default=False))
 
     def blocking(self, x, where):
-        x = self.obj(x, where)
+        x = self.obj(x, where, _BLOCKING_FIELDS)
         w = where + "."
         return BlockingEvent(
             greenlet_id=self.count(x, "greenlet_id", w + "greenlet_id"),
@@ -476,11 +490,24 @@ class _Reader:
             tsub=self.seconds(x, "tsub", w + "tsub"))
 
     def func(self, x, where):
-        x = self.obj(x, where)
+        x = self.obj(x, where, _FUNC_FIELDS)
         w = where + "."
         kids = self.list(x, "children", w + "children", default=[])
         return FuncStat(children=tuple(
             ChildStat(**self._stat_fields(self.obj(c, "%schildren[%d]"
-                                                   % (w, i)),
+                                                   % (w, i), _CHILD_FIELDS),
                                           "%schildren[%d]." % (w, i)))
             for i, c in enumerate(kids)), **self._stat_fields(x, w))
+
+
+def _fields(cls, *extra):
+    return frozenset(cls.__dataclass_fields__) | frozenset(extra)
+
+
+# (keys to_dict writes for each record: anything else is refused)
+_SPAN_FIELDS = _fields(Span)
+_WAITED_FIELDS = _fields(WaitedOn)
+_GREENLET_FIELDS = _fields(GreenletStat)
+_BLOCKING_FIELDS = _fields(BlockingEvent, "schema")
+_FUNC_FIELDS = _fields(FuncStat, "tavg")
+_CHILD_FIELDS = _fields(ChildStat)

@@ -242,3 +242,22 @@ def test_bytes_status_json_log_and_inspector(serve, utf8_log, tmp_path):
             if x.get("schema", "").startswith("greqprof.request")] == \
         ["200 OK"]
     assert http(s.port, UI + "/").status == 200
+
+
+def test_hand_made_profile_renders_clean_everywhere(tmp_path):
+    """A RequestProfile built in code (not captured, so not cleaned) with
+    bidi, surrogate and control characters and an impossible time still
+    renders as printable text in every format."""
+    from dataclasses import replace
+    from greqprof.renderers import RENDERERS
+    from test_renderers import synthetic_profile
+    p = replace(synthetic_profile(), path="/x" + BAD, error=ERROR,
+                method="GET\u202e", start=1e20)
+    text = p.report()
+    for line in text.split("\n"):
+        assert line.isprintable(), line
+    assert "\\u202e" in text and "Start time: -" in text
+    for name, r in RENDERERS.items():
+        out = r.render(p)
+        if isinstance(out, str):
+            out.encode("utf-8")
