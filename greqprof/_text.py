@@ -84,6 +84,7 @@ def clean_lines(text, limit=None):
         return None
     if type(text) is not str:
         text = _to_str(text)
-    if text.isprintable() and limit is None:
-        return text
-    return "\n".join([clean(line, limit) for line in text.split("\n")])
+    lines = text.split("\n")
+    if limit is None and all([line.isprintable() for line in lines]):
+        return text   # (the common case: no copy)
+    return "\n".join([clean(line, limit) for line in lines])

@@ -325,7 +325,7 @@ VARIABLES = {
 
 #: option -> spec of the options that only code sets
 OPTIONS = {
-    "max_open": _Number(1, 10000, integer=True),
+    "max_open": _Number(1, 1000000, integer=True),
     "ui_keep": _Number(1, 10000, integer=True),
     "ui_path": _Text("a path like '/_greqprof' (printable ASCII, no ? or #, "
                      "up to 200)", 200, pattern=r"/[!$&'()*+,;=:@%/.~\w-]*",

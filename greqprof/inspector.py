@@ -167,7 +167,7 @@ class Inspector:
                               "%r" % (ui_path,))
         config.check("ui_keep", ui_keep)
         config.check("ui_token", ui_token)
-        config.check("ui_hosts", ui_hosts)
+        ui_hosts = config.check("ui_hosts", ui_hosts)   # (a list now)
         self.path = ui_path.rstrip("/")
         self.allow = _networks(ui_allow) if ui_allow is not None else None
         #: Host names (beyond loopback ones) the pages may be reached by

@@ -59,7 +59,7 @@ def test_bad_variable_is_a_config_error_naming_it(var, raw, tmp_path):
 #: (keyword arguments, the option the error must name)
 BAD_OPTIONS = [
     ({"max_open": 2 ** 40}, "max_open"),
-    ({"max_open": 10001}, "max_open"),
+    ({"max_open": 1000001}, "max_open"),
     ({"linger": 1e10}, "linger"),
     ({"linger": 61}, "linger"),
     ({"linger": float("inf")}, "linger"),
@@ -128,7 +128,7 @@ def test_largest_accepted_values_work(serve, tmp_path):
     """What is accepted works: the maxima serve a sampled request (before,
     max_spans=2**62 was accepted and every sampled request then failed
     with GQP_ENOMEM)."""
-    s = serve(app, pct=1.0, max_spans=gconfig.MAX_SPANS, max_open=10000,
+    s = serve(app, pct=1.0, max_spans=gconfig.MAX_SPANS, max_open=1000000,
               linger=60, blocking_ms=3600000, logger=logging.getLogger("x"))
     s.mw.linger = 0
     s.get("/a")

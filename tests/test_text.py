@@ -70,3 +70,13 @@ def test_limit():
     assert clean("\n\n", limit=4) == "\\x0a...[4 more]"
     with pytest.raises(ValueError):
         clean("abc", limit=-1)
+
+
+def test_clean_lines_keeps_line_breaks():
+    from greqprof._text import clean_lines
+    stack = '  File "a.py", line 1, in f\n  File "b.py", line 2, in g\n'
+    assert clean_lines(stack) is stack
+    assert clean_lines('  File "\udcff.py"\n\x1b\r\n') == \
+        '  File "\\udcff.py"\n\\x1b\\x0d\n'
+    assert clean_lines(None) is None
+    assert clean_lines("abcdef\nxy", limit=3) == "abc...[3 more]\nxy"
