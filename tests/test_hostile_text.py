@@ -261,3 +261,32 @@ def test_hand_made_profile_renders_clean_everywhere(tmp_path):
         out = r.render(p)
         if isinstance(out, str):
             out.encode("utf-8")
+
+
+def test_profiler_records_are_clean(make_profiler):
+    """The whole-process Profiler's records (function, file and greenlet
+    names, stacks of long spans) go through the same rule."""
+    prof = make_profiler(clock="wall", stack_threshold=0.005)
+    with prof:
+        g = gevent.Greenlet(STRANGE)
+        g.name = GREENLET_NAME
+        g.start()
+        g.join()
+    funcs = {f.qualname: f for f in prof.func_stats()}
+    f = funcs["handler\\udcff\\u202e\\u2066\\x1b[31m\\u200b\\ufeff"]
+    assert f.filename == \
+        "/srv/app\\udcff\\u202e\\u2066\\x1b[31m\\u200b\\ufeff.py"
+    names = {s.greenlet_name for s in prof.spans()}
+    names |= {g.name for g in prof.greenlet_stats()}
+    assert "worker\\udcff\\u202e\\u2066\\x1b[31m\\u200b\\ufeff" in names
+    for s in prof.spans():
+        printable(s.to_dict(), "span")
+    for g in prof.greenlet_stats():
+        printable(g.to_dict(), "greenlet")
+    for fs in prof.func_stats():
+        printable(fs.to_dict(), "func")
+    from greqprof.renderers import RENDERERS
+    for r in RENDERERS.values():
+        out = r.render(prof)
+        if isinstance(out, str):
+            out.encode("utf-8")
