@@ -87,6 +87,8 @@ def environs(draw):
             env.pop(key, None)
         else:
             env[key] = draw(VALUES)
+    if draw(st.integers(0, 9)) == 0:   # (keys that are not str)
+        env[draw(st.integers() | st.binary(max_size=4))] = draw(VALUES)
     return env
 
 
