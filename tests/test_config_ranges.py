@@ -140,3 +140,29 @@ def test_largest_accepted_values_work(serve, tmp_path):
         "GREQPROF_MAX_SPANS": str(gconfig.MAX_SPANS),
         "GREQPROF_BLOCKING_MS": "3600000", "GREQPROF_LINGER": "60"})
     assert env.config.max_spans == gconfig.MAX_SPANS
+
+
+@pytest.mark.parametrize("kw,option", [
+    ({"max_spans": 2 ** 62}, "max_spans"), ({"max_spans": 2 ** 33},
+                                            "max_spans"),
+    ({"cpu_window": 1e308}, "cpu_window"),
+    ({"cpu_window": float("nan")}, "cpu_window"),
+    ({"stack_threshold": 1e308}, "stack_threshold"),
+    ({"stack_threshold": float("inf")}, "stack_threshold"),
+    ({"max_depth": 2 ** 40}, "max_depth"),
+])
+def test_profiler_options_in_range(kw, option, make_profiler):
+    """Before: OverflowError or a LibraryError at start()."""
+    with pytest.raises(ConfigError, match=option):
+        make_profiler(**kw)
+
+
+def test_profiler_largest_values_work(make_profiler):
+    from greqprof import profiler as gprofiler
+    prof = make_profiler(max_spans=gprofiler.MAX_SPANS,
+                         cpu_window=gprofiler.MAX_CPU_WINDOW,
+                         stack_threshold=gprofiler.MAX_STACK_THRESHOLD,
+                         max_depth=gprofiler.MAX_DEPTH)
+    with prof:
+        sum(range(1000))
+    assert prof.func_stats() is not None
