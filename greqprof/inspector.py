@@ -313,7 +313,11 @@ class Inspector:
         return url
 
     def _list(self, environ, start_response):
-        esc = html.escape
+        def esc(text, quote=True):
+            # (clean first: a profile a sink or test built by hand may
+            # hold bytes or unpaired surrogates; one bad row must not
+            # take the list down)
+            return html.escape(clean(text), quote)
         rows = []
         for i, p in self.profiles():
             link = self._url(environ, "/p/%d" % i)

@@ -107,3 +107,20 @@ def test_without_ui_hosts_only_loopback_names(serve):
 def test_ui_hosts_entries_are_checked(hosts):
     with pytest.raises(ConfigError, match="ui_hosts"):
         ProfilingMiddleware(app, ui_path=UI, ui_hosts=hosts, environ={})
+
+
+def test_list_survives_a_profile_with_raw_text(serve):
+    """A profile delivered with bytes and a lone surrogate in its fields
+    (built by hand, or by a capture that missed them) does not turn the
+    list page into a 500 (before: TypeError / UnicodeEncodeError until 50
+    newer profiles pushed it out)."""
+    from dataclasses import replace
+    from test_renderers import synthetic_profile
+    s = serve(app, pct=0.0, blocking_ms=None, ui_path=UI)
+    s.mw.inspector.add(replace(synthetic_profile(), status=b"200 OK",
+                               path="/x\udcff", error="E\ud800"))
+    raw = http_raw(s.port, b"GET " + UI.encode() + b"/ HTTP/1.1\r\n"
+                   b"Host: localhost\r\nConnection: close\r\n\r\n")
+    r = parse_response(raw)
+    assert r.status == 200
+    assert b"/x\\udcff" in r.body and b"200 OK" in r.body
