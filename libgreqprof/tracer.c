@@ -1187,7 +1187,8 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags)
 }
 
 GQP_API int gqp_tracer_wait_at(gqp_tracer *t, uint64_t greenlet,
-                               uint64_t site, size_t *index)
+                               uint64_t site, gqp_profile **profile,
+                               size_t *index)
 {
     CHECK_TRACER(t);
     if (greenlet == 0 || site == 0) {
@@ -1210,6 +1211,9 @@ GQP_API int gqp_tracer_wait_at(gqp_tracer *t, uint64_t greenlet,
     g->wait_site = i;
     if (i == GQP__NOIDX) {
         return GQP_EV_DROPPED;
+    }
+    if (profile) {
+        *profile = p;
     }
     if (index) {
         *index = i;

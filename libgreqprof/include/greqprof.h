@@ -391,13 +391,15 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags);
  * runs again is charged to the site in the profile it is attached to, if
  * it is still attached to that profile then (a detached greenlet, a closed
  * or cleared profile, a greenlet that died: nothing is charged).  Returns
- * GQP_EV_NEW_SITE when the site is new in the profile (*index, when not
- * NULL, is its index for gqp_profile_wait_set_tag), 0 when known,
+ * GQP_EV_NEW_SITE when the site is new in the profile (*profile and
+ * *index, when not NULL, say where, for gqp_profile_wait_set_tag; the
+ * profile is borrowed), 0 when known,
  * GQP_EV_DROPPED when the profile's table is full (counted), or
  * GQP_EINVAL, GQP_ENOTFOUND (no wait pending for the greenlet), GQP_ENOMEM.
  * (since 0.2) */
 GQP_API int gqp_tracer_wait_at(gqp_tracer *t, uint64_t greenlet,
-                               uint64_t site, size_t *index);
+                               uint64_t site, gqp_profile **profile,
+                               size_t *index);
 /* Number of live greenlets tracked. */
 GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
 

@@ -8,7 +8,8 @@
  * ones and, rarely, the invalid key 0), calls/returns in any order,
  * attach/detach/inherit, profile close/clear/replace, flush, forget,
  * parameter changes (tiny caps to force overflow), names, tags, waited,
- * spawn profiles, wait sites (gqp_tracer_wait_at), and injected allocation failures (gqp_set_allocator).
+ * spawn profiles, wait sites (gqp_tracer_wait_at), and injected allocation
+ * failures (gqp_set_allocator).
  * After every operation cheap invariants are checked, and every 32
  * operations (and at the end) every span, greenlet, function and edge of
  * every profile is read back and checked:
@@ -888,13 +889,15 @@ static void run_op(fz *z, uint8_t op)
         ti = pick_tracer(z);
         k1 = pick_key(z);
         k2 = pick_func(z);
-        rc = gqp_tracer_wait_at(z->t[ti], k1, k2, &idx);
+        gqp_profile *wp = NULL;
+        rc = gqp_tracer_wait_at(z->t[ti], k1, k2, &wp, &idx);
         if (k1 == 0 || k2 == 0) {
             CHECK(rc == GQP_EINVAL, "wait_at(0) = %d", rc);
         } else if (rc == GQP_EV_NEW_SITE) {
             /* the index was given; in a slot's profile it reads back the
              * key (the greenlet's profile may have left the slots) */
-            CHECK(idx != SIZE_MAX, "new site without an index");
+            CHECK(idx != SIZE_MAX && wp != NULL, "new site without an index");
+            CHECK(idx < gqp_profile_wait_count(wp), "new site index");
             for (int k = 0; k < NPROF; k++) {
                 gqp_wait_stat w;
                 if (z->p[k] && idx < gqp_profile_wait_count(z->p[k]) &&

@@ -572,7 +572,7 @@ TEST(enomem_wait_at_changes_nothing)
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, KH, 0));
     a.fail_from = a.total + 1;
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, FA, NULL), GQP_ENOMEM);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, FA, NULL, NULL), GQP_ENOMEM);
     ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
     fc_idle(&c, 100);
     EV(gqp_tracer_switch(t, KH, KG, 0));
@@ -582,13 +582,13 @@ TEST(enomem_wait_at_changes_nothing)
         a.fail_from = 0;
         a.fail_at = a.total + k;
         EV(gqp_tracer_switch(t, KG, KH, 0));
-        int rc = gqp_tracer_wait_at(t, KG, FA + (uint64_t)k * 16, NULL);
+        int rc = gqp_tracer_wait_at(t, KG, FA + (uint64_t)k * 16, NULL, NULL);
         ASSERT_TRUE(rc == GQP_ENOMEM || rc == GQP_EV_NEW_SITE);
         EV(gqp_tracer_switch(t, KH, KG, 0));
     }
     a.fail_at = 0;
     EV(gqp_tracer_switch(t, KG, KH, 0));
-    ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, FB, NULL)), GQP_EV_NEW_SITE);
+    ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, FB, NULL, NULL)), GQP_EV_NEW_SITE);
     fc_idle(&c, 7);
     EV(gqp_tracer_switch(t, KH, KG, 0));
     gqp_wait_stat w;

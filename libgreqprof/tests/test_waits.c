@@ -23,7 +23,7 @@ static int wait_once(gqp_tracer *t, fake_clock *c, uint64_t g, uint64_t site,
 {
     int ev = EV(gqp_tracer_switch(t, g, HUB, 0));
     ASSERT_HAS_FLAG(ev, GQP_EV_WAIT);
-    int rc = EV(gqp_tracer_wait_at(t, g, site, index));
+    int rc = EV(gqp_tracer_wait_at(t, g, site, NULL, index));
     fc_idle(c, idle);
     ev = EV(gqp_tracer_switch(t, HUB, g, 0));
     ASSERT_NO_FLAG(ev, GQP_EV_WAIT); /* the hub is attached to nothing */
@@ -83,7 +83,12 @@ TEST(waits_charged_to_site_until_switch_in)
     ASSERT_EQ_U64(w.tag, 7);
     /* a wait still pending is not charged yet */
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    EV(gqp_tracer_wait_at(t, KG, SITE2, NULL));
+    gqp_profile *wp = NULL;
+    size_t wi = 99;
+    ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, SITE2, &wp, &wi)),
+                    GQP_EV_NEW_SITE);
+    ASSERT_TRUE(wp == p);
+    ASSERT_EQ_SIZE(wi, 1);
     fc_idle(&c, 1000);
     ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 2);
     ASSERT_EQ_U64(get_wait(p, 1).count, 0);
@@ -105,19 +110,19 @@ TEST(waits_greenlets_counted_per_site)
     /* KG waits at SITE1 while KH and KI wait at SITE2, then KH at SITE1 */
     int ev = EV(gqp_tracer_switch(t, KG, KH, 0));
     ASSERT_HAS_FLAG(ev, GQP_EV_WAIT);
-    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL));
     fc_run(&c, 100);
     EV(gqp_tracer_switch(t, KH, KI, 0));
-    EV(gqp_tracer_wait_at(t, KH, SITE2, NULL));
+    EV(gqp_tracer_wait_at(t, KH, SITE2, NULL, NULL));
     fc_run(&c, 50);
     EV(gqp_tracer_switch(t, KI, KG, 0)); /* KG waited 150 */
-    EV(gqp_tracer_wait_at(t, KI, SITE2, NULL));
+    EV(gqp_tracer_wait_at(t, KI, SITE2, NULL, NULL));
     fc_run(&c, 20);
     EV(gqp_tracer_switch(t, KG, KH, 0)); /* KH waited 70 */
-    EV(gqp_tracer_wait_at(t, KG, SITE3, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE3, NULL, NULL));
     fc_run(&c, 5);
     EV(gqp_tracer_switch(t, KH, KI, 0)); /* KI waited 25 */
-    EV(gqp_tracer_wait_at(t, KH, SITE1, NULL));
+    EV(gqp_tracer_wait_at(t, KH, SITE1, NULL, NULL));
     fc_run(&c, 5);
     EV(gqp_tracer_switch(t, KI, KH, GQP_SWITCH_FROM_DEAD)); /* KH waited 5 */
     ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 3);
@@ -145,7 +150,7 @@ TEST(waits_only_for_attached_greenlets)
     EV(gqp_tracer_switch(t, 0, KG, 0));
     int ev = EV(gqp_tracer_switch(t, KG, KH, 0));
     ASSERT_NO_FLAG(ev, GQP_EV_WAIT);
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL), GQP_ENOTFOUND);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL), GQP_ENOTFOUND);
     gqp_profile *p = new_profile();
     ASSERT_OK(gqp_tracer_attach(t, KH, p));
     ev = EV(gqp_tracer_switch(t, KH, KG, GQP_SWITCH_FROM_DEAD));
@@ -176,13 +181,13 @@ TEST(waits_not_charged_after_detach_close_or_clear)
     EV(gqp_tracer_switch(t, 0, KG, 0));
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL));
     fc_idle(&c, 100);
     ASSERT_OK(gqp_tracer_attach(t, KG, NULL)); /* detached while waiting */
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL), GQP_ENOTFOUND);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL), GQP_ENOTFOUND);
     /* (and attached again: the wait began before, it is not p's) */
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL), GQP_ENOTFOUND);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL), GQP_ENOTFOUND);
     EV(gqp_tracer_switch(t, HUB, KG, 0));
     ASSERT_EQ_U64(get_wait(p, 0).count, 0);
     ASSERT_OK(gqp_tracer_attach(t, KG, NULL));
@@ -198,16 +203,16 @@ TEST(waits_not_charged_after_detach_close_or_clear)
     /* cleared while waiting: the new generation gets nothing */
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL));
     ASSERT_OK(gqp_profile_clear(p));
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL), GQP_ENOTFOUND);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL), GQP_ENOTFOUND);
     fc_idle(&c, 100);
     EV(gqp_tracer_switch(t, HUB, KG, 0));
     ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
 
     /* closed while waiting */
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    EV(gqp_tracer_wait_at(t, KG, SITE2, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE2, NULL, NULL));
     ASSERT_OK(gqp_profile_close(p));
     fc_idle(&c, 100);
     EV(gqp_tracer_switch(t, HUB, KG, 0));
@@ -253,7 +258,7 @@ TEST(waits_flush_charges_pending)
     EV(gqp_tracer_switch(t, 0, KG, 0));
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL));
     fc_idle(&c, 250);
     ASSERT_OK(gqp_tracer_flush(t));
     ASSERT_EQ_I64(get_wait(p, 0).wait_ns, 250);
@@ -275,19 +280,19 @@ TEST(waits_wait_at_errors)
     EV(gqp_tracer_switch(t, 0, KG, 0));
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    ASSERT_RC(gqp_tracer_wait_at(NULL, KG, SITE1, NULL), GQP_EINVAL);
-    ASSERT_RC(gqp_tracer_wait_at(t, 0, SITE1, NULL), GQP_EINVAL);
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, 0, NULL), GQP_EINVAL);
-    ASSERT_RC(gqp_tracer_wait_at(t, KI, SITE1, NULL), GQP_ENOTFOUND);
-    ASSERT_RC(gqp_tracer_wait_at(t, HUB, SITE1, NULL), GQP_ENOTFOUND);
+    ASSERT_RC(gqp_tracer_wait_at(NULL, KG, SITE1, NULL, NULL), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_wait_at(t, 0, SITE1, NULL, NULL), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, 0, NULL, NULL), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_wait_at(t, KI, SITE1, NULL, NULL), GQP_ENOTFOUND);
+    ASSERT_RC(gqp_tracer_wait_at(t, HUB, SITE1, NULL, NULL), GQP_ENOTFOUND);
     /* a wait with no site said is not charged anywhere */
     fc_idle(&c, 10);
     EV(gqp_tracer_switch(t, HUB, KG, 0));
     ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
     /* said twice: the last site wins */
     EV(gqp_tracer_switch(t, KG, HUB, 0));
-    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL));
-    EV(gqp_tracer_wait_at(t, KG, SITE2, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL));
+    EV(gqp_tracer_wait_at(t, KG, SITE2, NULL, NULL));
     fc_idle(&c, 10);
     EV(gqp_tracer_switch(t, HUB, KG, 0));
     ASSERT_EQ_U64(get_wait(p, 0).count, 0);
