@@ -5,7 +5,7 @@ import struct
 
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
-from .request_profile import WaitedOn, Waiting
+from .request_profile import WaitedOn, Waiting, WaitSite
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SPAN_FINISHED = 0x1
@@ -128,7 +128,7 @@ def request_records(raw):
     RequestProfile's "_loader"), from what read_profile (_hooks.c) read out
     when the request was finalized."""
     (span_rows, greenlet_rows, longest, _end, wait_ns, top, complete,
-     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw
+     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw[:13]
     origin = ClockOrigin(epoch0, wall0)
     st = stacks or {}
     # (names has every greenlet's: rows need none of their own)
@@ -154,4 +154,14 @@ def request_records(raw):
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
                            complete=complete),
+        **wait_sites(raw[13] if len(raw) > 13 else ((), 0)),
     }
+
+
+def wait_sites(raw):
+    """The "waits" and "dropped_waits" fields from read_waits (_hooks.c)."""
+    rows, dropped = raw
+    sites = [WaitSite(fn, filename, line, stack, ns * NS, count, greenlets)
+             for fn, filename, line, stack, ns, count, greenlets in rows]
+    sites.sort(key=lambda w: -w.seconds)
+    return {"waits": sites, "dropped_waits": dropped}

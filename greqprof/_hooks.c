@@ -87,6 +87,10 @@ static PyObject *spawning_str;   /* "spawning_greenlet" */
 static PyObject *fn_names;       /* code address -> (code, qualified name) */
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
                                    left out of captured stacks */
+static PyObject *reg_wait_sites; /* tag -> (code, fn_name, file, line, stack) */
+static PyObject *text_clean;     /* greqprof._text.clean */
+static PyObject *greenlet_dir;   /* greenlet's package dir, with '/' */
+static PyObject *module_dir(PyObject *mod);
 
 #define GQP_PY_MAX_LONG 1024
 #define GQP_PY_MAX_STACKS 20000
@@ -166,6 +170,14 @@ static int gqp_py_init(void)
     reg_long = PyObject_GetAttrString(reg, "long_spans");
     reg_names = PyObject_GetAttrString(reg, "names");
     reg_hub_ids = PyObject_GetAttrString(reg, "hub_ids");
+    reg_wait_sites = PyObject_GetAttrString(reg, "wait_sites");
+    greenlet_dir = module_dir(gm);
+    {
+        PyObject *tm = PyImport_ImportModule("greqprof._text");
+        text_clean = tm ? PyObject_GetAttrString(tm, "clean") : NULL;
+        Py_XDECREF(tm);
+        PyErr_Clear();
+    }
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");
         frame_getter = find_getter(gtype, "gr_frame");
@@ -192,7 +204,8 @@ static int gqp_py_init(void)
     }
     if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
         reg_stacks && reg_long && reg_names && reg_hub_ids &&
-        PyDict_Check(reg_hub_ids) &&
+        PyDict_Check(reg_hub_ids) && reg_wait_sites &&
+        PyDict_Check(reg_wait_sites) &&
         dead_getter && frame_getter && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
@@ -653,6 +666,312 @@ static void forget_later(uint64_t id)
     PyErr_Clear();
 }
 
+/* ---- wait sites ------------------------------------------------------- */
+/* A greenlet of a sampled request switched out (GQP_EV_WAIT): the site is
+ * the innermost frame of its suspended stack outside gevent, greenlet and
+ * greqprof, keyed by (code object, line).  Whether a code object's file is
+ * inside those packages is cached here by address; each entry holds its
+ * code object, so an address is not reused while it is cached.  A new
+ * site of a profile gets a record in _registry.wait_sites (its texts and
+ * the code object, which keeps the key's address from being reused while
+ * the profile is open). */
+
+#define GQP_PY_WAIT_DEPTH 64      /* frames looked at for the site */
+#define GQP_PY_CODE_SLOTS 2048    /* code cache (power of two) */
+#define GQP_PY_MAX_WAIT_SITES 20000
+
+static PyObject *gevent_dir;     /* gevent's package dir (once imported) */
+static uint32_t next_site_tag = 1;
+
+typedef struct {
+    PyObject *code;  /* a reference, NULL = empty */
+    int inside;
+} code_slot;
+static code_slot code_cache[GQP_PY_CODE_SLOTS];
+static size_t code_cache_len;
+
+/* The directory of a module's __file__, with its trailing '/'. */
+static PyObject *module_dir(PyObject *mod)
+{
+    PyObject *file = PyObject_GetAttrString(mod, "__file__");
+    PyObject *dir = NULL;
+    if (file && PyUnicode_Check(file)) {
+        Py_ssize_t n = PyUnicode_GetLength(file);
+        Py_ssize_t slash = PyUnicode_FindChar(file, '/', 0, n, -1);
+        if (slash > 0) {
+            dir = PyUnicode_Substring(file, 0, slash + 1);
+        }
+    }
+    Py_XDECREF(file);
+    PyErr_Clear();
+    return dir;
+}
+
+static int starts_with(PyObject *s, PyObject *prefix)
+{
+    return prefix && PyUnicode_Tailmatch(s, prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+}
+
+static int code_inside_slow(PyCodeObject *co)
+{
+    if (!gevent_dir) {
+        PyObject *name = PyUnicode_InternFromString("gevent");
+        PyObject *mod = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        if (mod) {
+            gevent_dir = module_dir(mod);
+            Py_DECREF(mod);
+        }
+        PyErr_Clear();
+    }
+    PyObject *f = co->co_filename;
+    return starts_with(f, gevent_dir) || starts_with(f, greenlet_dir) ||
+           starts_with(f, own_dir);
+}
+
+/* 1 when code belongs to gevent, greenlet or greqprof. */
+static int code_inside(PyCodeObject *co)
+{
+    size_t mask = GQP_PY_CODE_SLOTS - 1;
+    uintptr_t a = (uintptr_t)co;
+    size_t i = (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+    for (;; i = (i + 1) & mask) {
+        if (code_cache[i].code == (PyObject *)co) {
+            return code_cache[i].inside;
+        }
+        if (!code_cache[i].code) {
+            break;
+        }
+    }
+    int inside = code_inside_slow(co);
+    if (!gevent_dir) {
+        return inside; /* (not cached until gevent's dir is known) */
+    }
+    if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
+        /* Full: start over (code made at run time would grow it forever). */
+        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
+            Py_CLEAR(code_cache[k].code);
+        }
+        code_cache_len = 0;
+        i = (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+        while (code_cache[i].code) {
+            i = (i + 1) & mask;
+        }
+    }
+    code_cache[i].code = Py_NewRef((PyObject *)co);
+    code_cache[i].inside = inside;
+    code_cache_len++;
+    return inside;
+}
+
+/* s cleaned by the text contract: printable ASCII as it is, anything else
+ * through greqprof._text.clean.  A new reference, or NULL. */
+static PyObject *clean_text(PyObject *s)
+{
+    if (PyUnicode_Check(s) && PyUnicode_IS_ASCII(s)) {
+        const unsigned char *c = PyUnicode_1BYTE_DATA(s);
+        Py_ssize_t n = PyUnicode_GET_LENGTH(s), i = 0;
+        while (i < n && c[i] >= 0x20 && c[i] <= 0x7e) {
+            i++;
+        }
+        if (i == n) {
+            return Py_NewRef(s);
+        }
+    }
+    if (!text_clean) {
+        return PyObject_Str(s);
+    }
+    return PyObject_CallOneArg(text_clean, s);
+}
+
+static PyObject *code_fn_name(PyCodeObject *co)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    return clean_text(co->co_qualname);
+#else
+    return clean_text(co->co_name);
+#endif
+}
+
+/* ("file:line in function", ...) from frame f outwards, outermost first,
+ * greqprof's own frames left out.  Steals f. */
+static PyObject *site_stack(PyFrameObject *f)
+{
+    PyObject *lines = PyList_New(0);
+    int n = 0;
+    while (f && lines && n < GQP_PY_STACK_DEPTH) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        if (!starts_with(co->co_filename, own_dir)) {
+            PyObject *file = clean_text(co->co_filename);
+            PyObject *fn = code_fn_name(co);
+            PyObject *line = file && fn ? PyUnicode_FromFormat(
+                "%U:%d in %U", file, PyFrame_GetLineNumber(f), fn) : NULL;
+            if (!line || PyList_Append(lines, line) < 0) {
+                Py_CLEAR(lines);
+            }
+            Py_XDECREF(line);
+            Py_XDECREF(file);
+            Py_XDECREF(fn);
+            n++;
+        }
+        Py_DECREF(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    if (!lines || PyList_Reverse(lines) < 0) {
+        Py_XDECREF(lines);
+        return NULL;
+    }
+    PyObject *t = PyList_AsTuple(lines);
+    Py_DECREF(lines);
+    return t;
+}
+
+/* Records a new site (site frame f, borrowed) in the registry; its tag. */
+static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
+{
+    if (PyDict_GET_SIZE(reg_wait_sites) >= GQP_PY_MAX_WAIT_SITES) {
+        /* Drop the oldest (a profile never read out leaves its records). */
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        if (PyDict_Next(reg_wait_sites, &pos, &k, &v)) {
+            Py_INCREF(k);
+            PyDict_DelItem(reg_wait_sites, k);
+            Py_DECREF(k);
+        }
+    }
+    Py_INCREF(f);
+    PyObject *stack = site_stack(f);
+    PyObject *fn = code_fn_name(co);
+    PyObject *file = clean_text(co->co_filename);
+    PyObject *rec = stack && fn && file
+        ? Py_BuildValue("(OOOiO)", (PyObject *)co, fn, file, line, stack)
+        : NULL;
+    Py_XDECREF(stack);
+    Py_XDECREF(fn);
+    Py_XDECREF(file);
+    uint32_t tag = 0;
+    PyObject *key = rec ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
+    if (key && PyDict_SetItem(reg_wait_sites, key, rec) == 0) {
+        tag = next_site_tag++;
+        if (next_site_tag == 0) {
+            next_site_tag = 1;
+        }
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(rec);
+    PyErr_Clear();
+    return tag;
+}
+
+/* origin switched out alive while attached to a profile: say where. */
+static void on_wait(gqp_py_thread *st, PyObject *origin)
+{
+    PyObject *fr = frame_getter(origin, NULL);
+    if (!fr || !PyFrame_Check(fr)) {
+        Py_XDECREF(fr);
+        PyErr_Clear();
+        return;
+    }
+    PyFrameObject *top = (PyFrameObject *)fr;
+    PyFrameObject *f = (PyFrameObject *)Py_NewRef(fr);
+    PyCodeObject *co = NULL;
+    for (int depth = 0; f && depth < GQP_PY_WAIT_DEPTH; depth++) {
+        co = PyFrame_GetCode(f);
+        if (!code_inside(co)) {
+            break;
+        }
+        Py_CLEAR(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    if (!co) {
+        /* Only gevent's own frames (e.g. the server writing a response):
+         * the innermost one. */
+        Py_XDECREF(f);
+        f = (PyFrameObject *)Py_NewRef(top);
+        co = PyFrame_GetCode(f);
+    }
+    int line = PyFrame_GetLineNumber(f);
+    /* Code addresses fit 48 bits; lines past 65535 share a key. */
+    uint64_t site = (uint64_t)(uintptr_t)co ^
+                    ((uint64_t)(line > 0xffff ? 0xffff : line & 0xffff) << 48);
+    gqp_profile *p = NULL;
+    size_t idx = 0;
+    int ev = gqp_tracer_wait_at(st->tracer, (uint64_t)(uintptr_t)origin,
+                                site ? site : 1, &p, &idx);
+    if (ev > 0 && (ev & GQP_EV_NEW_SITE) && p) {
+        uint32_t tag = store_site(f, co, line);
+        if (tag) {
+            gqp_profile_wait_set_tag(p, idx, tag);
+        }
+    }
+    Py_DECREF(co);
+    Py_DECREF(f);
+    Py_DECREF(fr);
+    PyErr_Clear();
+}
+
+/* read_waits(profile, take): the profile's wait sites, as a tuple
+ *   (((fn_name, filename, lineno, stack, wait_ns, count, greenlets), ...),
+ *    dropped)
+ * in table order; a site whose record the registry dropped has fn_name
+ * "?".  take: the records go out of the registry (the profile is done). */
+static PyObject *read_waits(gqp_profile *p, int take)
+{
+    size_t n = gqp_profile_wait_count(p);
+    PyObject *rows = PyTuple_New((Py_ssize_t)n);
+    size_t i = 0;
+    for (; rows && i < n; i++) {
+        gqp_wait_stat w;
+        if (gqp_profile_wait(p, i, &w) != GQP_OK) {
+            break;
+        }
+        PyObject *rec = NULL;
+        PyObject *key = w.tag ? PyLong_FromUnsignedLong(w.tag) : NULL;
+        if (key) {
+            rec = PyDict_GetItemWithError(reg_wait_sites, key);
+            Py_XINCREF(rec);
+            if (rec && take && PyDict_DelItem(reg_wait_sites, key) < 0) {
+                PyErr_Clear();
+            }
+            Py_DECREF(key);
+        }
+        PyErr_Clear();
+        PyObject *row;
+        if (rec && PyTuple_Check(rec) && PyTuple_GET_SIZE(rec) == 5) {
+            row = Py_BuildValue(
+                "(OOOOLKK)", PyTuple_GET_ITEM(rec, 1),
+                PyTuple_GET_ITEM(rec, 2), PyTuple_GET_ITEM(rec, 3),
+                PyTuple_GET_ITEM(rec, 4), (long long)w.wait_ns,
+                (unsigned long long)w.count,
+                (unsigned long long)w.greenlets);
+        } else {
+            row = Py_BuildValue("(ssi()LKK)", "?", "", 0,
+                                (long long)w.wait_ns,
+                                (unsigned long long)w.count,
+                                (unsigned long long)w.greenlets);
+        }
+        Py_XDECREF(rec);
+        if (!row) {
+            Py_CLEAR(rows);
+            break;
+        }
+        PyTuple_SET_ITEM(rows, (Py_ssize_t)i, row);
+    }
+    if (rows && i < n && _PyTuple_Resize(&rows, (Py_ssize_t)i) < 0) {
+        rows = NULL;
+    }
+    if (!rows) {
+        return NULL;
+    }
+    return Py_BuildValue("(NK)", rows,
+                         (unsigned long long)gqp_profile_waits_dropped(p));
+}
+
 /* ---- the greenlet hook ----------------------------------------------- */
 
 static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
@@ -682,6 +1001,9 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         if (ev > 0) {
             if (ev & GQP_EV_LONG_SPAN) {
                 on_long_span(st, origin, dead);
+            }
+            if (ev & GQP_EV_WAIT) {
+                on_wait(st, origin);
             }
             if (ev & GQP_EV_NEW_GREENLET) {
                 on_new_greenlet(st, target);
@@ -1221,7 +1543,7 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * (greqprof._collect.request_records).
  *   (spans, greenlets, longest, end_ns, waited_ns, waited_top, complete,
  *    spans_dropped, calls_dropped, epoch_origin, wall_origin, names,
- *    stacks)
+ *    stacks, waits)
  * spans: gqp_span structs (_collect.SPAN_ROW); greenlets:
  * gqp_py_greenlet_row structs (_collect.GREENLET_ROW); longest: one span's
  * bytes, or None; end_ns: the later of end_ns and the last span's end, the
@@ -1229,7 +1551,8 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * names or None), ...); names: {greenlet_id: (name, fn_name)} for the
  * greenlets of the rows, the registry's names, else the profile's; stacks:
  * {tag: text} of the spans' stacks, taken out of the registry (take true)
- * or copied (take false: the profile is still open), or None.  profile and
+ * or copied (take false: the profile is still open), or None; waits:
+ * read_waits' (sites, dropped).  profile and
  * tracer are the addresses of live objects the caller owns (internal:
  * greqprof.middleware only). */
 
@@ -1338,7 +1661,7 @@ static int has_row(const gqp_py_greenlet_row *rows, size_t n, uint64_t gid)
     return 0;
 }
 
-#define GQP_PY_PROFILE_ITEMS 13
+#define GQP_PY_PROFILE_ITEMS 14
 
 static PyObject *read_profile(PyObject *self, PyObject *const *args,
                               Py_ssize_t nargs)
@@ -1522,6 +1845,7 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
     it[8] = PyLong_FromUnsignedLongLong(gqp_profile_calls_dropped(p));
     it[9] = PyLong_FromLongLong((long long)gqp_profile_epoch_origin(p));
     it[10] = PyLong_FromLongLong((long long)gqp_profile_wall_origin(p));
+    it[13] = read_waits(p, take);
     for (int i = 0; i < GQP_PY_PROFILE_ITEMS; i++) {
         if (!it[i]) {
             goto done;

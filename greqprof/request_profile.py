@@ -35,6 +35,29 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class WaitSite:
+    """Code where the request's greenlets waited.
+
+    Each time one of them switched out here (the innermost frame outside
+    gevent and greenlet), the time until it ran again (seconds, summed over
+    the greenlets); ``count`` such waits, by ``greenlets`` distinct
+    greenlets.  ``stack`` is ``"file:line in function"`` strings, outermost
+    first, ending at the site."""
+    fn_name: str
+    filename: str
+    lineno: int
+    stack: Tuple[str, ...]
+    seconds: float
+    count: int
+    greenlets: int
+
+    def to_dict(self):
+        d = asdict(self)
+        d["stack"] = list(self.stack)
+        return d
+
+
+@dataclass(frozen=True)
 class BlockingEvent:
     """A span that held the event loop for at least the blocking threshold.
 
@@ -91,6 +114,10 @@ class RequestProfile:
     pid: int = 0
     hostname: str = ""
     error: Optional[str] = None
+    #: where the greenlets waited, largest first (see WaitSite)
+    waits: List[WaitSite] = field(default_factory=list)
+    #: waits not recorded: the profile's table of sites was full
+    dropped_waits: int = 0
 
     # A sampled request's profile is made deferred (_sampled.c's
     # build_profile): its instance dict holds the fields above except
@@ -99,7 +126,8 @@ class RequestProfile:
     # without reading their spans does not pay for building them.
 
     #: fields a deferred profile builds on first access
-    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets")
+    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets",
+                "waits", "dropped_waits")
 
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
@@ -159,6 +187,8 @@ class RequestProfile:
             },
             "greenlets": [g.to_dict() for g in self.greenlets],
             "blocking": [b.to_dict() for b in self.blocking],
+            "waits": [w.to_dict() for w in self.waits],
+            "dropped_waits": self.dropped_waits,
             "calls": ([f.to_dict() for f in self.calls]
                       if self.calls is not None else None),
         }
@@ -191,6 +221,11 @@ class RequestProfile:
             x.pop("schema", None)
             return BlockingEvent(**x)
 
+        def wait_site(x):
+            x = dict(x)
+            x["stack"] = tuple(x.get("stack", ()))
+            return WaitSite(**x)
+
         w = d.get("waiting") or {}
         try:
             return cls(
@@ -213,7 +248,9 @@ class RequestProfile:
                 sampled_by=d.get("sampled_by", "pct"),
                 request_id=d.get("request_id"),
                 pid=d.get("pid", 0), hostname=d.get("hostname", ""),
-                error=d.get("error"))
+                error=d.get("error"),
+                waits=[wait_site(x) for x in d.get("waits", [])],
+                dropped_waits=d.get("dropped_waits", 0))
         except (KeyError, TypeError) as e:
             raise ValueError("malformed RequestProfile dict: %s" % e) from e
 

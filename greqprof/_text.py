@@ -1,0 +1,40 @@
+"""Clean text (issue 15): every string greqprof records from the app, the
+environ or the interpreter becomes valid, printable text."""
+
+
+def _escape(ch):
+    o = ord(ch)
+    if o < 0x100:
+        return "\\x%02x" % o
+    if o < 0x10000:
+        return "\\u%04x" % o
+    return "\\U%08x" % o
+
+
+def clean(value, limit=None):
+    """None -> None.  bytes/bytearray -> decoded as latin-1 (WSGI's rule),
+    then cleaned.  Any other non-str -> str(value) (repr if str() raises),
+    then cleaned.  A printable str is returned as it is; otherwise every
+    non-printable character (controls, format characters, separators, lone
+    surrogates, newlines and tabs) is escaped visibly as \\xNN, \\uNNNN or
+    \\UNNNNNNNN.  limit: when given and the cleaned text is longer, cut to
+    limit characters plus '...[N more]'."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("latin-1")
+    elif not isinstance(value, str):
+        try:
+            value = str(value)
+        except Exception:
+            try:
+                value = repr(value)
+            except Exception:
+                value = "<%s>" % type(value).__name__
+        if not isinstance(value, str):
+            value = "<%s>" % type(value).__name__
+    if not value.isprintable():
+        value = "".join(c if c.isprintable() else _escape(c) for c in value)
+    if limit is not None and len(value) > limit:
+        value = "%s...[%d more]" % (value[:limit], len(value) - limit)
+    return value

@@ -1,0 +1,154 @@
+"""Where a sampled request waited (RequestProfile.waits), through a real
+pywsgi server: sites checked against known sleeps and a slow loopback
+server."""
+import json
+
+import gevent
+from gevent import socket
+from gevent.server import StreamServer
+
+from greqprof import _registry
+from greqprof.renderers import render
+from greqprof.request_profile import RequestProfile, WaitSite
+from test_middleware import ok, serve  # noqa: F401  (serve: the fixture)
+
+HERE = __file__
+
+
+def wait_upstream():
+    gevent.sleep(0.05)  # the site of the waits below
+
+
+SLEEP_LINE = wait_upstream.__code__.co_firstlineno + 1
+
+
+def site(profile, fn_name):
+    found = [w for w in profile.waits if w.fn_name == fn_name]
+    assert len(found) == 1, profile.waits
+    return found[0]
+
+
+def test_a_sleep_is_charged_to_the_function_that_slept(serve):
+    def app(environ, start_response):
+        wait_upstream()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/sleep").status == 200
+    p = s.profile_for("/sleep")
+    w = site(p, "wait_upstream")
+    assert w.filename == HERE and w.lineno == SLEEP_LINE
+    assert 0.04 <= w.seconds < 5
+    assert w.count == 1 and w.greenlets == 1
+    assert w.stack[-1] == "%s:%d in wait_upstream" % (HERE, SLEEP_LINE)
+    assert w.stack[-2].startswith("%s:" % HERE)
+    assert w.stack[-2].endswith(" in test_a_sleep_is_charged_to_the_"
+                                "function_that_slept.<locals>.app")
+    # largest first
+    assert p.waits == sorted(p.waits, key=lambda x: -x.seconds)
+    assert p.waits[0] is w
+    assert p.dropped_waits == 0
+
+
+
+
+def _slow_server(delay):
+    def handle(sock, _addr):
+        sock.recv(100)
+        gevent.sleep(delay)
+        sock.sendall(b"pong")
+        sock.close()
+    server = StreamServer(("127.0.0.1", 0), handle)
+    server.start()
+    return server
+
+
+def read_slow_socket(port):
+    c = socket.create_connection(("127.0.0.1", port))
+    try:
+        c.sendall(b"ping")
+        return c.recv(100)
+    finally:
+        c.close()
+
+
+RECV_LINE = read_slow_socket.__code__.co_firstlineno + 4
+
+
+def test_a_slow_socket_recv_is_charged_to_read_slow_socket(serve):
+    upstream = _slow_server(0.05)
+    try:
+        def app(environ, start_response):
+            assert read_slow_socket(upstream.server_port) == b"pong"
+            return ok()(environ, start_response)
+
+        s = serve(app, pct=1.0, linger=0)
+        assert s.get("/socket").status == 200
+        p = s.profile_for("/socket")
+    finally:
+        upstream.stop()
+    recv = [w for w in p.waits if w.fn_name == "read_slow_socket"
+            and w.lineno == RECV_LINE]
+    assert len(recv) == 1, p.waits
+    assert 0.04 <= recv[0].seconds < 5
+    assert recv[0].filename == HERE and recv[0].greenlets == 1
+    assert "in read_slow_socket" in recv[0].stack[-1]
+
+
+def test_children_waits_are_summed_with_their_greenlets(serve):
+    def app(environ, start_response):
+        gevent.joinall([gevent.spawn(wait_upstream) for _ in range(2)])
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0.5)
+    assert s.get("/children").status == 200
+    p = s.profile_for("/children")
+    w = site(p, "wait_upstream")
+    assert w.greenlets == 2 and w.count == 2
+    assert 0.08 <= w.seconds < 10
+    # the request's greenlet waited for them in app (joinall)
+    joined = [x for x in p.waits if x.fn_name.endswith("<locals>.app")]
+    assert joined and joined[0].greenlets == 1
+
+
+def test_unsampled_requests_record_no_waits(serve):
+    def app(environ, start_response):
+        wait_upstream()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=0.0, trigger_header="X-Profile",
+              trigger_secret="s3cret-s3cret", linger=0)
+    assert s.get("/sampled", headers=[("X-Profile", "s3cret-s3cret")]).status \
+        == 200
+    s.profile_for("/sampled")
+    assert not _registry.wait_sites  # taken out with the profile
+    for _ in range(3):
+        assert s.get("/unsampled").status == 200
+    # (the hooks are installed: an unsampled request's greenlet is in no
+    # profile, so no site is looked up or recorded)
+    gevent.sleep(0.1)
+    assert not _registry.wait_sites
+    assert [p.path for p in s.profiles] == ["/sampled"]
+    assert site(s.profiles[0], "wait_upstream").count == 1
+
+
+def test_waits_round_trip_through_to_dict(serve):
+    def app(environ, start_response):
+        wait_upstream()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/dict").status == 200
+    p = s.profile_for("/dict")
+    d = json.loads(json.dumps(p.to_dict()))
+    w = [x for x in d["waits"] if x["fn_name"] == "wait_upstream"][0]
+    assert set(w) == {"fn_name", "filename", "lineno", "stack", "seconds",
+                      "count", "greenlets"}
+    assert isinstance(w["stack"], list) and w["lineno"] == SLEEP_LINE
+    assert d["dropped_waits"] == 0
+    back = RequestProfile.from_dict(d)
+    assert back.waits == p.waits
+    assert all(isinstance(x, WaitSite) and isinstance(x.stack, tuple)
+               for x in back.waits)
+    assert RequestProfile.from_dict(back.to_dict()).to_dict() == \
+        back.to_dict()
