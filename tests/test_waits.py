@@ -152,3 +152,55 @@ def test_waits_round_trip_through_to_dict(serve):
                for x in back.waits)
     assert RequestProfile.from_dict(back.to_dict()).to_dict() == \
         back.to_dict()
+
+
+def test_the_text_report_has_a_waited_at_section(serve):
+    def app(environ, start_response):
+        wait_upstream()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/report").status == 200
+    lines = s.profile_for("/report").report().splitlines()
+    at = lines.index([x for x in lines if x.startswith("Waited at:")][0])
+    site_line = [x for x in lines[at + 1:] if "wait_upstream (" in x]
+    assert site_line and site_line[0].endswith(
+        "wait_upstream (%s:%d)" % (HERE, SLEEP_LINE))
+    assert " 1 wait " in site_line[0] and " 1 greenlet " in site_line[0]
+
+
+def test_the_offcpu_export_is_speedscope_weighted_by_time_waited(
+        serve, tmp_path):
+    from test_renderers import check_speedscope
+
+    def app(environ, start_response):
+        gevent.joinall([gevent.spawn(wait_upstream) for _ in range(2)])
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0.5, profile_dir=str(tmp_path),
+              formats="json,offcpu")
+    assert s.get("/offcpu").status == 200
+    p = s.profile_for("/offcpu")
+    doc = json.loads(render(p, "offcpu"))
+    frames = check_speedscope(doc)
+    prof = doc["profiles"][0]
+    assert prof["type"] == "sampled"
+    assert len(prof["samples"]) == len(p.waits)
+    for w, sample, weight in zip(p.waits, prof["samples"], prof["weights"]):
+        assert weight == round(w.seconds * 1e6, 3)
+        leaf = frames[sample[-1]]
+        assert (leaf["name"], leaf.get("line")) == (w.fn_name,
+                                                    w.lineno or None)
+    top = frames[prof["samples"][0][-1]]
+    assert top == {"name": "wait_upstream", "file": HERE,
+                   "line": SLEEP_LINE}
+    assert prof["weights"][0] >= 0.08 * 1e6  # two greenlets' 50 ms
+    assert prof["endValue"] == round(sum(prof["weights"]), 3)
+    # the middleware writes it too (formats=...offcpu)
+    deadline = __import__("time").monotonic() + 5
+    while not list(tmp_path.glob("*.offcpu.speedscope.json")) and \
+            __import__("time").monotonic() < deadline:
+        gevent.sleep(0.05)
+    written = list(tmp_path.glob("*.offcpu.speedscope.json"))
+    assert len(written) == 1
+    assert json.loads(written[0].read_text()) == doc
