@@ -5,7 +5,7 @@ import struct
 
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
-from .request_profile import WaitedOn, Waiting, WaitSite
+from .request_profile import WaitedOn, WaitEvent, Waiting, WaitSite
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SPAN_FINISHED = 0x1
@@ -154,14 +154,27 @@ def request_records(raw):
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
                            complete=complete),
-        **wait_sites(raw[13] if len(raw) > 13 else ((), 0)),
+        **wait_sites(raw[13] if len(raw) > 13 else ((), 0, b""), origin),
     }
 
 
-def wait_sites(raw):
-    """The "waits" and "dropped_waits" fields from read_waits (_hooks.c)."""
-    rows, dropped = raw
+#: a gqp_wait_event: (greenlet_id, start_ns, end_ns, site, reserved)
+WAIT_EVENT_ROW = struct.Struct("=QqqII")
+
+
+def wait_sites(raw, origin):
+    """The "waits", "dropped_waits" and "wait_events" fields from
+    read_waits (_hooks.c)."""
+    rows, dropped, events = raw
     sites = [WaitSite(fn, filename, line, stack, ns * NS, count, greenlets)
              for fn, filename, line, stack, ns, count, greenlets in rows]
-    sites.sort(key=lambda w: -w.seconds)
-    return {"waits": sites, "dropped_waits": dropped}
+    order = sorted(range(len(sites)), key=lambda i: -sites[i].seconds)
+    rank = {i: r for r, i in enumerate(order)}
+    return {
+        "waits": [sites[i] for i in order],
+        "dropped_waits": dropped,
+        "wait_events": [
+            WaitEvent(gid, origin.to_epoch(a), origin.to_epoch(b), rank[i])
+            for gid, a, b, i, _ in WAIT_EVENT_ROW.iter_unpack(events)
+            if i in rank],
+    }

@@ -917,9 +917,15 @@ static void on_wait(gqp_py_thread *st, PyObject *origin)
 
 /* read_waits(profile, take): the profile's wait sites, as a tuple
  *   (((fn_name, filename, lineno, stack, wait_ns, count, greenlets), ...),
- *    dropped)
- * in table order; a site whose record the registry dropped has fn_name
- * "?".  take: the records go out of the registry (the profile is done). */
+ *    dropped, events)
+ * sites in table order (a site whose record the registry dropped has
+ * fn_name "?"); events: the gqp_wait_event structs as bytes
+ * (_collect.WAIT_EVENT_ROW).  take: the records go out of the registry
+ * (the profile is done). */
+
+_Static_assert(sizeof(gqp_wait_event) == 32,
+               "_collect.WAIT_EVENT_ROW is '=QqqII'");
+
 static PyObject *read_waits(gqp_profile *p, int take)
 {
     size_t n = gqp_profile_wait_count(p);
@@ -968,8 +974,22 @@ static PyObject *read_waits(gqp_profile *p, int take)
     if (!rows) {
         return NULL;
     }
-    return Py_BuildValue("(NK)", rows,
-                         (unsigned long long)gqp_profile_waits_dropped(p));
+    size_t ne = gqp_profile_wait_event_count(p);
+    PyObject *events = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)(ne * sizeof(gqp_wait_event)));
+    if (!events) {
+        Py_DECREF(rows);
+        return NULL;
+    }
+    gqp_wait_event *ev = (gqp_wait_event *)(void *)PyBytes_AS_STRING(events);
+    for (size_t k = 0; k < ne; k++) {
+        if (gqp_profile_wait_event(p, k, &ev[k]) != GQP_OK) {
+            memset(&ev[k], 0, sizeof ev[k]);
+        }
+    }
+    return Py_BuildValue("(NKN)", rows,
+                         (unsigned long long)gqp_profile_waits_dropped(p),
+                         events);
 }
 
 /* ---- the greenlet hook ----------------------------------------------- */

@@ -58,6 +58,17 @@ class WaitSite:
 
 
 @dataclass(frozen=True)
+class WaitEvent:
+    """One wait of a greenlet: switched out at ``start``, ran again at
+    ``end`` (seconds since the epoch); ``site`` is the index of its
+    WaitSite in ``RequestProfile.waits``."""
+    greenlet_id: int
+    start: float
+    end: float
+    site: int
+
+
+@dataclass(frozen=True)
 class BlockingEvent:
     """A span that held the event loop for at least the blocking threshold.
 
@@ -118,6 +129,8 @@ class RequestProfile:
     waits: List[WaitSite] = field(default_factory=list)
     #: waits not recorded: the profile's table of sites was full
     dropped_waits: int = 0
+    #: the first waits one by one (1024 at most), in the order they ended
+    wait_events: List[WaitEvent] = field(default_factory=list)
 
     # A sampled request's profile is made deferred (_sampled.c's
     # build_profile): its instance dict holds the fields above except
@@ -127,7 +140,7 @@ class RequestProfile:
 
     #: fields a deferred profile builds on first access
     DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets",
-                "waits", "dropped_waits")
+                "waits", "dropped_waits", "wait_events")
 
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
@@ -189,6 +202,7 @@ class RequestProfile:
             "blocking": [b.to_dict() for b in self.blocking],
             "waits": [w.to_dict() for w in self.waits],
             "dropped_waits": self.dropped_waits,
+            "wait_events": [asdict(e) for e in self.wait_events],
             "calls": ([f.to_dict() for f in self.calls]
                       if self.calls is not None else None),
         }
@@ -250,7 +264,9 @@ class RequestProfile:
                 pid=d.get("pid", 0), hostname=d.get("hostname", ""),
                 error=d.get("error"),
                 waits=[wait_site(x) for x in d.get("waits", [])],
-                dropped_waits=d.get("dropped_waits", 0))
+                dropped_waits=d.get("dropped_waits", 0),
+                wait_events=[WaitEvent(**e)
+                             for e in d.get("wait_events", [])])
         except (KeyError, TypeError) as e:
             raise ValueError("malformed RequestProfile dict: %s" % e) from e
 

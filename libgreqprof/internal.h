@@ -120,6 +120,9 @@ typedef struct gqp__waits {
                               (greenlet, site) pairs charged, for
                               `greenlets`; at most GQP__WAIT_PAIRS */
     uint64_t dropped;
+    gqp_wait_event *events;
+    size_t nev, ev_alloc, max_events;
+    uint64_t events_dropped;
 } gqp__waits;
 
 #define GQP__WAIT_PAIRS 65536
@@ -130,9 +133,10 @@ typedef struct gqp__waits {
  * changed). */
 GQP__HIDDEN uint32_t gqp__profile_wait_site(gqp_profile *p, uint64_t site,
                                             bool *added, bool *nomem);
-/* Charges one wait of ns by greenlet id to site index i. */
+/* Charges the wait of greenlet id from start to end to site index i. */
 GQP__HIDDEN void gqp__profile_wait_charge(gqp_profile *p, uint32_t i,
-                                          uint64_t id, int64_t ns);
+                                          uint64_t id, int64_t start,
+                                          int64_t end);
 
 /* ---- profiles (profile.c) -------------------------------------------- */
 typedef struct gqp__gstat {

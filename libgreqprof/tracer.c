@@ -659,8 +659,8 @@ static void end_wait(gqp__greenlet *g, int64_t now)
     g->wait_pending = false;
     if (p && !p->closed && p->generation == g->wait_gen &&
         g->wait_site != GQP__NOIDX) {
-        gqp__profile_wait_charge(p, g->wait_site, g->id,
-                                 now - g->wait_start);
+        gqp__profile_wait_charge(p, g->wait_site, g->id, g->wait_start,
+                                 now);
     }
 }
 

@@ -48,6 +48,12 @@ def test_a_sleep_is_charged_to_the_function_that_slept(serve):
     assert p.waits == sorted(p.waits, key=lambda x: -x.seconds)
     assert p.waits[0] is w
     assert p.dropped_waits == 0
+    # one by one: the sleep's wait, on the request's greenlet
+    ev = [e for e in p.wait_events if p.waits[e.site] is w]
+    assert len(ev) == 1
+    assert abs((ev[0].end - ev[0].start) - w.seconds) < 1e-6
+    assert p.start <= ev[0].start < ev[0].end <= p.end + 1e-6
+    assert ev[0].greenlet_id in {g.id for g in p.greenlets}
 
 
 
@@ -146,8 +152,10 @@ def test_waits_round_trip_through_to_dict(serve):
                       "count", "greenlets"}
     assert isinstance(w["stack"], list) and w["lineno"] == SLEEP_LINE
     assert d["dropped_waits"] == 0
+    assert d["wait_events"] and set(d["wait_events"][0]) == {
+        "greenlet_id", "start", "end", "site"}
     back = RequestProfile.from_dict(d)
-    assert back.waits == p.waits
+    assert back.waits == p.waits and back.wait_events == p.wait_events
     assert all(isinstance(x, WaitSite) and isinstance(x.stack, tuple)
                for x in back.waits)
     assert RequestProfile.from_dict(back.to_dict()).to_dict() == \

@@ -139,8 +139,10 @@ typedef enum gqp_profile_param {
     GQP_PROFILE_MAX_EDGES = 4,     /* caller->callee pairs (default 262144) */
     GQP_PROFILE_MAX_GREENLETS = 5, /* greenlet totals kept (default 65536)  */
     GQP_PROFILE_MAX_NAME = 6,      /* bytes kept of a name (default 255)    */
-    GQP_PROFILE_MAX_WAIT_SITES = 7 /* wait sites kept (default 256, 0 = no
-                                      wait accounting; since 0.2)         */
+    GQP_PROFILE_MAX_WAIT_SITES = 7, /* wait sites kept (default 256, 0 = no
+                                       wait accounting; since 0.2)        */
+    GQP_PROFILE_MAX_WAIT_EVENTS = 8 /* waits kept one by one (default 1024,
+                                       the first ones; 0 = none; 0.2)     */
 } gqp_profile_param;
 
 #define GQP_KEEP_FIRST 0
@@ -255,6 +257,22 @@ GQP_API int gqp_profile_wait(const gqp_profile *p, size_t i,
 GQP_API int gqp_profile_wait_set_tag(gqp_profile *p, size_t i, uint32_t tag);
 /* Switch-outs not recorded because the site table was full. */
 GQP_API uint64_t gqp_profile_waits_dropped(const gqp_profile *p);
+
+/* The waits one by one, in the order they ended (the first
+ * GQP_PROFILE_MAX_WAIT_EVENTS; the others are counted): when each greenlet
+ * waited, and where. */
+typedef struct gqp_wait_event {
+    uint64_t greenlet_id;
+    int64_t start_ns;   /* switch-out (wall clock)                        */
+    int64_t end_ns;     /* switch-in                                      */
+    uint32_t site;      /* index of its site (gqp_profile_wait)           */
+    uint32_t reserved;
+} gqp_wait_event;
+
+GQP_API size_t gqp_profile_wait_event_count(const gqp_profile *p);
+GQP_API int gqp_profile_wait_event(const gqp_profile *p, size_t i,
+                                   gqp_wait_event *out);
+GQP_API uint64_t gqp_profile_wait_events_dropped(const gqp_profile *p);
 
 /* Epoch time of the profile's clock origin: add to a span's start_ns and
  * subtract the value of gqp_profile_wall_origin to get epoch nanoseconds. */

@@ -359,6 +359,15 @@ static void check_profile(const gqp_profile *p)
     }
     gqp_wait_stat ws;
     CHECK(gqp_profile_wait(p, nw, &ws) == GQP_ERANGE, "wait(count)");
+    size_t ne_ = gqp_profile_wait_event_count(p);
+    CHECK((int64_t)ne_ <= pget(p, GQP_PROFILE_MAX_WAIT_EVENTS) || ne_ == 0,
+          "%zu wait events > cap", ne_);
+    for (size_t i = 0; i < ne_; i++) {
+        gqp_wait_event e;
+        CHECK(gqp_profile_wait_event(p, i, &e) == GQP_OK, "wait_event");
+        CHECK(e.greenlet_id != 0 && e.end_ns >= e.start_ns && e.site < nw,
+              "wait event %zu", i);
+    }
 
     size_t nf = gqp_profile_func_count(p);
     int64_t max_f = pget(p, GQP_PROFILE_MAX_FUNCS);
@@ -735,7 +744,8 @@ static void run_op(fz *z, uint8_t op)
                       gqp_profile_greenlet_count(p) == 0 &&
                       gqp_profile_calls_dropped(p) == 0 &&
                       gqp_profile_wait_count(p) == 0 &&
-                      gqp_profile_waits_dropped(p) == 0,
+                      gqp_profile_waits_dropped(p) == 0 &&
+                      gqp_profile_wait_event_count(p) == 0,
                   "clear left data");
             CHECK(gqp_profile_longest_span(p, &s) == GQP_ENOTFOUND,
                   "longest after clear");
@@ -767,7 +777,7 @@ static void run_op(fz *z, uint8_t op)
         break;
     case OP_TSET: {
         ti = pick_tracer(z);
-        int param = rd(z) % 9; /* 0 and 8 are invalid */
+        int param = rd(z) % 10; /* 0 and 9 are invalid */
         int64_t v = pick_value(z);
         size_t live = gqp_tracer_greenlet_count(z->t[ti]);
         rc = gqp_tracer_set(z->t[ti], (gqp_tracer_param)param, v);
@@ -788,12 +798,12 @@ static void run_op(fz *z, uint8_t op)
     }
     case OP_PSET: {
         p = pick_prof(z, NULL);
-        int param = rd(z) % 9; /* 0 and 8 are invalid */
+        int param = rd(z) % 10; /* 0 and 9 are invalid */
         int64_t v = pick_value(z);
         rc = gqp_profile_set(p, (gqp_profile_param)param, v);
         if (p == NULL)
             CHECK(rc == GQP_EINVAL, "profile_set(NULL) = %d", rc);
-        else if (param == 0 || param == 8)
+        else if (param == 0 || param == 9)
             CHECK(rc == GQP_EINVAL || rc == GQP_ESTATE || rc == GQP_ERANGE,
                   "profile_set(bad param) = %d", rc);
         if (rc == GQP_OK) {

@@ -39,6 +39,15 @@ TEST(waits_defaults_and_params)
     ASSERT_OK(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_SITES, 3));
     ASSERT_OK(gqp_profile_get(p, GQP_PROFILE_MAX_WAIT_SITES, &v));
     ASSERT_EQ_I64(v, 3);
+    ASSERT_OK(gqp_profile_get(p, GQP_PROFILE_MAX_WAIT_EVENTS, &v));
+    ASSERT_EQ_I64(v, 1024);
+    ASSERT_OK(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_EVENTS, 0));
+    ASSERT_OK(gqp_profile_get(p, GQP_PROFILE_MAX_WAIT_EVENTS, &v));
+    ASSERT_EQ_I64(v, 0);
+    ASSERT_RC(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_EVENTS,
+                              (INT64_C(1) << 24) + 1), GQP_ERANGE);
+    ASSERT_EQ_SIZE(gqp_profile_wait_event_count(NULL), 0);
+    ASSERT_EQ_U64(gqp_profile_wait_events_dropped(NULL), 0);
     ASSERT_RC(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_SITES, -1), GQP_ERANGE);
     ASSERT_RC(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_SITES,
                               (INT64_C(1) << 20) + 1), GQP_ERANGE);
@@ -81,6 +90,20 @@ TEST(waits_charged_to_site_until_switch_in)
     ASSERT_EQ_U64(w.count, 2);
     ASSERT_EQ_U64(w.greenlets, 1);
     ASSERT_EQ_U64(w.tag, 7);
+    /* one by one: when and where */
+    ASSERT_EQ_SIZE(gqp_profile_wait_event_count(p), 2);
+    gqp_wait_event e;
+    ASSERT_OK(gqp_profile_wait_event(p, 0, &e));
+    ASSERT_EQ_U64(e.greenlet_id, gid(t, KG));
+    ASSERT_EQ_I64(e.start_ns, W0 + 10);
+    ASSERT_EQ_I64(e.end_ns, W0 + 510);
+    ASSERT_EQ_U64(e.site, 0);
+    ASSERT_OK(gqp_profile_wait_event(p, 1, &e));
+    ASSERT_EQ_I64(e.start_ns, W0 + 520);
+    ASSERT_EQ_I64(e.end_ns, W0 + 820);
+    ASSERT_RC(gqp_profile_wait_event(p, 2, &e), GQP_ERANGE);
+    ASSERT_RC(gqp_profile_wait_event(p, 0, NULL), GQP_EINVAL);
+    ASSERT_EQ_U64(gqp_profile_wait_events_dropped(p), 0);
     /* a wait still pending is not charged yet */
     EV(gqp_tracer_switch(t, KG, HUB, 0));
     gqp_profile *wp = NULL;
@@ -229,6 +252,7 @@ TEST(waits_cap_counts_overflow)
     gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
     gqp_profile *p = new_profile();
     ASSERT_OK(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_SITES, 2));
+    ASSERT_OK(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_EVENTS, 2));
     EV(gqp_tracer_switch(t, 0, KG, 0));
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     ASSERT_HAS_FLAG(wait_once(t, &c, KG, SITE1, 10, NULL), GQP_EV_NEW_SITE);
@@ -243,8 +267,16 @@ TEST(waits_cap_counts_overflow)
     ASSERT_EQ_U64(gqp_profile_waits_dropped(p), 1);
     ASSERT_EQ_I64(get_wait(p, 0).wait_ns, 50);
     ASSERT_EQ_I64(get_wait(p, 1).wait_ns, 20);
+    /* 3 waits were charged (one at a dropped site): 2 events kept */
+    ASSERT_EQ_SIZE(gqp_profile_wait_event_count(p), 2);
+    ASSERT_EQ_U64(gqp_profile_wait_events_dropped(p), 1);
     /* caps are fixed once data came in */
     ASSERT_RC(gqp_profile_set(p, GQP_PROFILE_MAX_WAIT_SITES, 5), GQP_ESTATE);
+        ASSERT_OK(gqp_profile_clear(p));
+    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
+    ASSERT_EQ_SIZE(gqp_profile_wait_event_count(p), 0);
+    ASSERT_EQ_U64(gqp_profile_wait_events_dropped(p), 0);
+    ASSERT_EQ_U64(gqp_profile_waits_dropped(p), 0);
     gqp_tracer_free(t);
     gqp_profile_free(p);
 }
