@@ -212,3 +212,44 @@ def test_the_offcpu_export_is_speedscope_weighted_by_time_waited(
     written = list(tmp_path.glob("*.offcpu.speedscope.json"))
     assert len(written) == 1
     assert json.loads(written[0].read_text()) == doc
+
+
+# ---------------------------------------------------------------------------
+# the inspector (Chromium, as in test_inspector.py)
+
+from test_inspector import (UI, _expected, browser, console_errors,  # noqa
+                            css, profile_ids, server)
+
+
+def test_the_inspector_shows_where_the_request_waited(browser, server):
+    pid = profile_ids(browser, server)["/api/orders"]
+    r = _expected(server, pid).request
+    browser.get("%s%s/p/%d" % (server, UI, pid))
+    assert not console_errors(browser), console_errors(browser)
+    rows = css(browser, "table.gq-waits tbody tr.gq-wait-row")
+    assert len(rows) == len(r.waits) >= 2
+    cells = [[c.text for c in row.find_elements("css selector", "td")]
+             for row in rows]
+    # fetch() slept in 3 greenlets, 6 times in all (largest first)
+    fetch = [c for c in cells if c[3] == "fetch"]
+    assert len(fetch) == 1 and fetch[0][1:3] == ["6", "3"]
+    assert cells[0][3] == r.waits[0].fn_name
+    assert fetch[0][4].endswith("inspector_demo_app.py:%d"
+                                % [w for w in r.waits
+                                   if w.fn_name == "fetch"][0].lineno)
+    # a click shows the site's stack
+    i = [c[3] for c in cells].index("fetch")
+    rows[i].click()
+    stack = css(browser, "tr.gq-wait-stack pre.gq-stack")
+    assert stack and stack[0].text.splitlines()[-1].endswith(" in fetch")
+    # the timeline: each wait on its greenlet's row, and the sites of the
+    # request's waiting stretches
+    assert len(css(browser, ".gq-waitsite")) == len(r.wait_events)
+    labelled = [w for w in css(browser, ".gq-wait")
+                if w.get_attribute("data-sites")]
+    assert labelled
+    sites = {int(x) for w in labelled
+             for x in w.get_attribute("data-sites").split()}
+    assert [w.fn_name for w in r.waits].index("fetch") in sites
+    assert "at fetch (" in " ".join(w.get_attribute("title")
+                                    for w in labelled)
