@@ -2,8 +2,13 @@
 pywsgi server: sites checked against known sleeps and a slow loopback
 server."""
 import json
+import os
+import shutil
+import subprocess
+import tempfile
 
 import gevent
+import pytest
 from gevent import socket
 from gevent.server import StreamServer
 
@@ -253,3 +258,84 @@ def test_the_inspector_shows_where_the_request_waited(browser, server):
     assert [w.fn_name for w in r.waits].index("fetch") in sites
     assert "at fetch (" in " ".join(w.get_attribute("title")
                                     for w in labelled)
+
+
+# ---------------------------------------------------------------------------
+# psycopg2 made cooperative by psycogreen, against a real PostgreSQL
+
+def _pg_bin():
+    import glob
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    return os.path.dirname(found[-1]) if found else None
+
+
+@pytest.fixture
+def postgres_dsn():
+    """A throwaway PostgreSQL cluster on a unix socket (as the postgres
+    user when run as root: the server refuses root)."""
+    pytest.importorskip("psycopg2")
+    pytest.importorskip("psycogreen.gevent")
+    bindir = _pg_bin()
+    if not bindir:
+        pytest.skip("needs PostgreSQL's server (Debian: postgresql)")
+    d = tempfile.mkdtemp(prefix="greqprof-pg-")
+    as_user = []
+    if os.geteuid() == 0:
+        import pwd
+        pw = pwd.getpwnam("postgres")
+        os.chown(d, pw.pw_uid, pw.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data = os.path.join(d, "data")
+    subprocess.run(as_user + [os.path.join(bindir, "initdb"), "-A", "trust",
+                              "-U", "postgres", "-D", data],
+                   check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=120)
+    subprocess.run(as_user + [
+        os.path.join(bindir, "pg_ctl"), "-D", data, "-w", "-t", "60",
+        "-l", os.path.join(d, "log"), "-o",
+        "-k %s -c listen_addresses= -p 54329" % d, "start"],
+        check=True, stdout=subprocess.DEVNULL, timeout=120)
+    try:
+        yield "host=%s port=54329 user=postgres dbname=postgres" % d
+    finally:
+        subprocess.run(as_user + [os.path.join(bindir, "pg_ctl"), "-D", data,
+                                  "-m", "immediate", "stop"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=60)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_psycogreen_query_is_charged_to_its_wait_callback(
+        serve, postgres_dsn):
+    import psycopg2
+    from psycopg2 import extensions
+    from psycogreen.gevent import patch_psycopg
+
+    def orders_view():
+        conn = psycopg2.connect(postgres_dsn)
+        try:
+            cur = conn.cursor()
+            cur.execute("select pg_sleep(0.05)")
+            cur.fetchall()
+        finally:
+            conn.close()
+
+    def app(environ, start_response):
+        orders_view()
+        return ok()(environ, start_response)
+
+    patch_psycopg()
+    try:
+        s = serve(app, pct=1.0, linger=0)
+        assert s.get("/db").status == 200
+        p = s.profile_for("/db")
+    finally:
+        extensions.set_wait_callback(None)
+    cb = [w for w in p.waits if w.fn_name == "gevent_wait_callback"]
+    assert cb, p.waits
+    assert all(w.filename.endswith("psycogreen/gevent.py") for w in cb)
+    assert sum(w.seconds for w in cb) >= 0.04
+    # the app's view function is in the stack above it
+    assert any(e.endswith(" in test_a_psycogreen_query_is_charged_to_its_"
+                          "wait_callback.<locals>.orders_view")
+               for w in cb for e in w.stack)
