@@ -339,3 +339,55 @@ def test_a_psycogreen_query_is_charged_to_its_wait_callback(
     assert any(e.endswith(" in test_a_psycogreen_query_is_charged_to_its_"
                           "wait_callback.<locals>.orders_view")
                for w in cb for e in w.stack)
+
+
+def test_the_request_greenlet_is_not_charged_after_its_response(serve):
+    """On a keep-alive connection the request's greenlet waits for the next
+    request after the response: that is not the request's wait, even while
+    its profile stays open for a child."""
+    from test_middleware import keepalive_gets
+
+    def child():
+        gevent.sleep(0.3)
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/first":
+            gevent.spawn(child)
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=2.0)
+    sock = keepalive_gets(s.port, ["/first"])
+    try:
+        gevent.sleep(0.2)   # the server's greenlet waits for /second
+        sock.sendall(b"GET /second HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"ok" in sock.recv(65536)
+        p = s.profile_for("/first")
+    finally:
+        sock.close()
+    assert site(p, child.__qualname__).greenlets == 1
+    request_gid = p.spans[0].greenlet_id
+    mine = [e for e in p.wait_events if e.greenlet_id == request_gid]
+    assert sum(e.end - e.start for e in mine) < 0.1, p.waits
+    assert not [w for w in p.waits if "gevent" in w.filename], p.waits
+
+
+def test_site_names_are_clean_text(serve):
+    """A function name that is not printable (code made at run time can be
+    named anything) is escaped when recorded (the clean-text contract)."""
+    def template():
+        gevent.sleep(0.01)
+    name = "evil\n\u202ename"
+    code = template.__code__.replace(co_name=name, co_qualname=name)
+    evil = __import__("types").FunctionType(code, globals(), name)
+
+    def app(environ, start_response):
+        evil()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/evil").status == 200
+    p = s.profile_for("/evil")
+    w = site(p, "evil\\x0a\\u202ename")
+    assert w.stack[-1].endswith(" in evil\\x0a\\u202ename")
+    assert all(x.isprintable() for x in w.stack)
+    assert "\\x0a\\u202e" in p.report()
