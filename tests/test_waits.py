@@ -391,3 +391,23 @@ def test_site_names_are_clean_text(serve):
     assert w.stack[-1].endswith(" in evil\\x0a\\u202ename")
     assert all(x.isprintable() for x in w.stack)
     assert "\\x0a\\u202e" in p.report()
+
+
+def test_the_wait_keys_are_the_documented_ones(serve):
+    from test_config import documented_keys, section
+
+    def app(environ, start_response):
+        wait_upstream()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/keys").status == 200
+    d = s.profile_for("/keys").to_dict()
+    docs = documented_keys()
+    assert {"waits", "dropped_waits", "wait_events"} <= section(
+        docs, "greqprof.request_profile/1")
+    assert d["waits"] and d["wait_events"]
+    for w in d["waits"]:
+        assert set(w) == section(docs, "`waits[]`")
+    for e in d["wait_events"]:
+        assert set(e) == section(docs, "`wait_events[]`")
