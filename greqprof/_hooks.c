@@ -669,26 +669,46 @@ static void forget_later(uint64_t id)
 /* ---- wait sites ------------------------------------------------------- */
 /* A greenlet of a sampled request switched out (GQP_EV_WAIT): the site is
  * the innermost frame of its suspended stack outside gevent, greenlet and
- * greqprof, keyed by (code object, line).  Whether a code object's file is
- * inside those packages is cached here by address; each entry holds its
- * code object, so an address is not reused while it is cached.  A new
- * site of a profile gets a record in _registry.wait_sites (its texts and
- * the code object, which keeps the key's address from being reused while
- * the profile is open). */
+ * greqprof, keyed by (code object, line).  Two caches keep this cheap, both
+ * keyed by code address with each entry holding its code object (so an
+ * address is not reused while it is cached), both emptied when half full:
+ *   - per code object: whether it is gevent's, greenlet's or greqprof's,
+ *     and its cleaned name and file name;
+ *   - per (code object, instruction): the line and the "file:line in
+ *     function" text of a frame stopped there (PyFrame_GetLineNumber
+ *     scans the code's line table: computed once, not per switch).
+ * A new site of a profile gets a record in _registry.wait_sites (its texts
+ * and the code object, which keeps the key's address from being reused
+ * while the profile is open). */
 
 #define GQP_PY_WAIT_DEPTH 64      /* frames looked at for the site */
-#define GQP_PY_CODE_SLOTS 2048    /* code cache (power of two) */
+#define GQP_PY_CODE_SLOTS 2048    /* caches (powers of two) */
+#define GQP_PY_LINE_SLOTS 8192
 #define GQP_PY_MAX_WAIT_SITES 20000
+
+#define CODE_INSIDE 0x1  /* gevent, greenlet or greqprof: not a site */
+#define CODE_OWN 0x2     /* greqprof: left out of stacks */
 
 static PyObject *gevent_dir;     /* gevent's package dir (once imported) */
 static uint32_t next_site_tag = 1;
 
 typedef struct {
-    PyObject *code;  /* a reference, NULL = empty */
-    int inside;
+    PyObject *code;      /* a reference, NULL = empty */
+    int kind;            /* CODE_* */
+    PyObject *fn_name;   /* cleaned, NULL until asked */
+    PyObject *filename;
 } code_slot;
 static code_slot code_cache[GQP_PY_CODE_SLOTS];
 static size_t code_cache_len;
+
+typedef struct {
+    PyObject *code;      /* a reference, NULL = empty */
+    int lasti;
+    int line;
+    PyObject *entry;     /* "file:line in function", NULL until asked */
+} line_slot;
+static line_slot line_cache[GQP_PY_LINE_SLOTS];
+static size_t line_cache_len;
 
 /* The directory of a module's __file__, with its trailing '/'. */
 static PyObject *module_dir(PyObject *mod)
@@ -712,58 +732,6 @@ static int starts_with(PyObject *s, PyObject *prefix)
     return prefix && PyUnicode_Tailmatch(s, prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
 }
 
-static int code_inside_slow(PyCodeObject *co)
-{
-    if (!gevent_dir) {
-        PyObject *name = PyUnicode_InternFromString("gevent");
-        PyObject *mod = name ? PyImport_GetModule(name) : NULL;
-        Py_XDECREF(name);
-        if (mod) {
-            gevent_dir = module_dir(mod);
-            Py_DECREF(mod);
-        }
-        PyErr_Clear();
-    }
-    PyObject *f = co->co_filename;
-    return starts_with(f, gevent_dir) || starts_with(f, greenlet_dir) ||
-           starts_with(f, own_dir);
-}
-
-/* 1 when code belongs to gevent, greenlet or greqprof. */
-static int code_inside(PyCodeObject *co)
-{
-    size_t mask = GQP_PY_CODE_SLOTS - 1;
-    uintptr_t a = (uintptr_t)co;
-    size_t i = (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
-    for (;; i = (i + 1) & mask) {
-        if (code_cache[i].code == (PyObject *)co) {
-            return code_cache[i].inside;
-        }
-        if (!code_cache[i].code) {
-            break;
-        }
-    }
-    int inside = code_inside_slow(co);
-    if (!gevent_dir) {
-        return inside; /* (not cached until gevent's dir is known) */
-    }
-    if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
-        /* Full: start over (code made at run time would grow it forever). */
-        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
-            Py_CLEAR(code_cache[k].code);
-        }
-        code_cache_len = 0;
-        i = (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
-        while (code_cache[i].code) {
-            i = (i + 1) & mask;
-        }
-    }
-    code_cache[i].code = Py_NewRef((PyObject *)co);
-    code_cache[i].inside = inside;
-    code_cache_len++;
-    return inside;
-}
-
 /* s cleaned by the text contract: printable ASCII as it is, anything else
  * through greqprof._text.clean.  A new reference, or NULL. */
 static PyObject *clean_text(PyObject *s)
@@ -784,35 +752,165 @@ static PyObject *clean_text(PyObject *s)
     return PyObject_CallOneArg(text_clean, s);
 }
 
-static PyObject *code_fn_name(PyCodeObject *co)
+static size_t slot_of(const void *code, int lasti, size_t mask)
+{
+    uint64_t a = (uint64_t)(uintptr_t)code ^ ((uint64_t)(unsigned)lasti << 40);
+    return (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+}
+
+/* The cache entry of code object co (NULL when it cannot be made yet:
+ * gevent's directory is not known before gevent is imported). */
+static code_slot *code_info(PyCodeObject *co)
+{
+    size_t mask = GQP_PY_CODE_SLOTS - 1;
+    size_t i = slot_of(co, 0, mask);
+    for (; code_cache[i].code; i = (i + 1) & mask) {
+        if (code_cache[i].code == (PyObject *)co) {
+            return &code_cache[i];
+        }
+    }
+    if (!gevent_dir) {
+        PyObject *name = PyUnicode_InternFromString("gevent");
+        PyObject *mod = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        if (mod) {
+            gevent_dir = module_dir(mod);
+            Py_DECREF(mod);
+        }
+        PyErr_Clear();
+        if (!gevent_dir) {
+            return NULL;
+        }
+    }
+    if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
+        /* Start over (code made at run time would grow it forever). */
+        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
+            Py_CLEAR(code_cache[k].code);
+            Py_CLEAR(code_cache[k].fn_name);
+            Py_CLEAR(code_cache[k].filename);
+        }
+        code_cache_len = 0;
+        for (i = slot_of(co, 0, mask); code_cache[i].code; i = (i + 1) & mask) {
+        }
+    }
+    PyObject *f = co->co_filename;
+    int own = starts_with(f, own_dir);
+    code_slot *s = &code_cache[i];
+    s->code = Py_NewRef((PyObject *)co);
+    s->kind = (own ? CODE_OWN | CODE_INSIDE : 0) |
+              (starts_with(f, gevent_dir) || starts_with(f, greenlet_dir)
+                   ? CODE_INSIDE : 0);
+    s->fn_name = s->filename = NULL;
+    code_cache_len++;
+    return s;
+}
+
+static int code_kind(PyCodeObject *co)
+{
+    code_slot *s = code_info(co);
+    if (s) {
+        return s->kind;
+    }
+    /* (gevent not imported yet: no gevent frame can exist) */
+    int own = starts_with(co->co_filename, own_dir);
+    return (own ? CODE_OWN | CODE_INSIDE : 0) |
+           (starts_with(co->co_filename, greenlet_dir) ? CODE_INSIDE : 0);
+}
+
+/* Borrowed cleaned (fn_name, filename) of co, or -1. */
+static int code_names(PyCodeObject *co, PyObject **fn, PyObject **file)
+{
+    code_slot *s = code_info(co);
+    if (!s) {
+        return -1;
+    }
+    if (!s->fn_name) {
+#if PY_VERSION_HEX >= 0x030B0000
+        s->fn_name = clean_text(co->co_qualname);
+#else
+        s->fn_name = clean_text(co->co_name);
+#endif
+        s->filename = s->fn_name ? clean_text(co->co_filename) : NULL;
+        if (!s->filename) {
+            Py_CLEAR(s->fn_name);
+            return -1;
+        }
+    }
+    *fn = s->fn_name;
+    *file = s->filename;
+    return 0;
+}
+
+static int frame_lasti(PyFrameObject *f)
 {
 #if PY_VERSION_HEX >= 0x030B0000
-    return clean_text(co->co_qualname);
+    return PyFrame_GetLasti(f);
 #else
-    return clean_text(co->co_name);
+    return f->f_lasti;
 #endif
+}
+
+/* The line cache entry of frame f (of code co), or NULL. */
+static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
+{
+    size_t mask = GQP_PY_LINE_SLOTS - 1;
+    int lasti = frame_lasti(f);
+    size_t i = slot_of(co, lasti, mask);
+    for (; line_cache[i].code; i = (i + 1) & mask) {
+        if (line_cache[i].code == (PyObject *)co &&
+            line_cache[i].lasti == lasti) {
+            return &line_cache[i];
+        }
+    }
+    if (line_cache_len >= GQP_PY_LINE_SLOTS / 2) {
+        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
+            Py_CLEAR(line_cache[k].code);
+            Py_CLEAR(line_cache[k].entry);
+        }
+        line_cache_len = 0;
+        for (i = slot_of(co, lasti, mask); line_cache[i].code;
+             i = (i + 1) & mask) {
+        }
+    }
+    line_slot *s = &line_cache[i];
+    s->code = Py_NewRef((PyObject *)co);
+    s->lasti = lasti;
+    s->line = PyFrame_GetLineNumber(f);
+    s->entry = NULL;
+    line_cache_len++;
+    return s;
+}
+
+/* Borrowed "file:line in function" of a frame, or NULL. */
+static PyObject *frame_entry(PyFrameObject *f, PyCodeObject *co)
+{
+    line_slot *s = line_info(f, co);
+    if (!s->entry) {
+        PyObject *fn, *file;
+        if (code_names(co, &fn, &file) < 0) {
+            return NULL;
+        }
+        s->entry = PyUnicode_FromFormat("%U:%d in %U", file, s->line, fn);
+    }
+    return s->entry;
 }
 
 /* ("file:line in function", ...) from frame f outwards, outermost first,
  * greqprof's own frames left out.  Steals f. */
 static PyObject *site_stack(PyFrameObject *f)
 {
-    PyObject *lines = PyList_New(0);
-    int n = 0;
-    while (f && lines && n < GQP_PY_STACK_DEPTH) {
+    PyObject *lines[GQP_PY_STACK_DEPTH];
+    int n = 0, ok = 1;
+    while (f && n < GQP_PY_STACK_DEPTH) {
         PyCodeObject *co = PyFrame_GetCode(f);
-        if (!starts_with(co->co_filename, own_dir)) {
-            PyObject *file = clean_text(co->co_filename);
-            PyObject *fn = code_fn_name(co);
-            PyObject *line = file && fn ? PyUnicode_FromFormat(
-                "%U:%d in %U", file, PyFrame_GetLineNumber(f), fn) : NULL;
-            if (!line || PyList_Append(lines, line) < 0) {
-                Py_CLEAR(lines);
+        if (!(code_kind(co) & CODE_OWN)) {
+            PyObject *e = frame_entry(f, co);
+            if (!e) {
+                ok = 0;
+                Py_DECREF(co);
+                break;
             }
-            Py_XDECREF(line);
-            Py_XDECREF(file);
-            Py_XDECREF(fn);
-            n++;
+            lines[n++] = Py_NewRef(e); /* (the cache may be emptied) */
         }
         Py_DECREF(co);
         PyFrameObject *back = PyFrame_GetBack(f);
@@ -820,12 +918,14 @@ static PyObject *site_stack(PyFrameObject *f)
         f = back;
     }
     Py_XDECREF(f);
-    if (!lines || PyList_Reverse(lines) < 0) {
-        Py_XDECREF(lines);
-        return NULL;
+    PyObject *t = ok ? PyTuple_New(n) : NULL;
+    for (int i = 0; i < n; i++) {
+        if (t) {
+            PyTuple_SET_ITEM(t, i, lines[n - 1 - i]); /* (steals) */
+        } else {
+            Py_DECREF(lines[n - 1 - i]);
+        }
     }
-    PyObject *t = PyList_AsTuple(lines);
-    Py_DECREF(lines);
     return t;
 }
 
@@ -842,16 +942,18 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
             Py_DECREF(k);
         }
     }
-    Py_INCREF(f);
-    PyObject *stack = site_stack(f);
-    PyObject *fn = code_fn_name(co);
-    PyObject *file = clean_text(co->co_filename);
-    PyObject *rec = stack && fn && file
-        ? Py_BuildValue("(OOOiO)", (PyObject *)co, fn, file, line, stack)
-        : NULL;
-    Py_XDECREF(stack);
-    Py_XDECREF(fn);
-    Py_XDECREF(file);
+    PyObject *fn, *file, *rec = NULL;
+    if (code_names(co, &fn, &file) == 0) {
+        /* (site_stack may empty the cache that holds fn and file) */
+        Py_INCREF(fn);
+        Py_INCREF(file);
+        PyObject *stack = site_stack((PyFrameObject *)Py_NewRef(f));
+        rec = stack ? Py_BuildValue("(OOOiN)", (PyObject *)co, fn, file, line,
+                                    stack)
+                    : NULL;
+        Py_DECREF(fn);
+        Py_DECREF(file);
+    }
     uint32_t tag = 0;
     PyObject *key = rec ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
     if (key && PyDict_SetItem(reg_wait_sites, key, rec) == 0) {
@@ -880,7 +982,7 @@ static void on_wait(gqp_py_thread *st, PyObject *origin)
     PyCodeObject *co = NULL;
     for (int depth = 0; f && depth < GQP_PY_WAIT_DEPTH; depth++) {
         co = PyFrame_GetCode(f);
-        if (!code_inside(co)) {
+        if (!(code_kind(co) & CODE_INSIDE)) {
             break;
         }
         Py_CLEAR(co);
@@ -895,7 +997,7 @@ static void on_wait(gqp_py_thread *st, PyObject *origin)
         f = (PyFrameObject *)Py_NewRef(top);
         co = PyFrame_GetCode(f);
     }
-    int line = PyFrame_GetLineNumber(f);
+    int line = line_info(f, co)->line;
     /* Code addresses fit 48 bits; lines past 65535 share a key. */
     uint64_t site = (uint64_t)(uintptr_t)co ^
                     ((uint64_t)(line > 0xffff ? 0xffff : line & 0xffff) << 48);

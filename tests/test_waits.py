@@ -411,3 +411,34 @@ def test_the_wait_keys_are_the_documented_ones(serve):
         assert set(w) == section(docs, "`waits[]`")
     for e in d["wait_events"]:
         assert set(e) == section(docs, "`wait_events[]`")
+
+
+def test_many_sites_fill_the_table_and_the_caches(serve):
+    """4500 functions made at run time each wait once in one request: the
+    site table keeps 256 and counts the rest; the hook's caches of code
+    objects and lines are emptied and refilled on the way."""
+    def template():
+        gevent.sleep(0)
+    code = template.__code__
+    fns = [__import__("types").FunctionType(
+        code.replace(co_name="f%d" % i, co_qualname="f%d" % i), globals())
+        for i in range(4500)]
+
+    def app(environ, start_response):
+        for f in fns:
+            f()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    for path in ("/many", "/again"):
+        assert s.get(path).status == 200
+        p = s.profile_for(path)
+        assert len(p.waits) == 256
+        assert p.dropped_waits == 4500 - 256
+        assert {w.fn_name for w in p.waits} <= {"f%d" % i
+                                                for i in range(4500)}
+        assert all(w.count == 1 and w.greenlets == 1 for w in p.waits)
+        assert all(w.stack[-1].endswith(" in " + w.fn_name)
+                   for w in p.waits)
+        assert len(p.wait_events) == 256  # (waits at kept sites)
+    assert "(4244 waits at further sites not recorded" in p.report()
