@@ -6,7 +6,7 @@ import struct
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
 from ._text import clean, clean_lines
-from .request_profile import WaitedOn, Waiting
+from .request_profile import WaitedOn, WaitEvent, Waiting, WaitSite
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SPAN_FINISHED = 0x1
@@ -172,7 +172,7 @@ def request_records(raw):
     RequestProfile's "_loader"), from what read_profile (_hooks.c) read out
     when the request was finalized."""
     (span_rows, greenlet_rows, longest, _end, wait_ns, top, complete,
-     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw
+     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw[:13]
     origin = ClockOrigin(epoch0, wall0)
     st = _clean_stacks(stacks) or {}
     names = _clean_names(names)
@@ -199,4 +199,27 @@ def request_records(raw):
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
                            complete=complete),
+        **wait_sites(raw[13] if len(raw) > 13 else ((), 0, b""), origin),
+    }
+
+
+#: a gqp_wait_event: (greenlet_id, start_ns, end_ns, site, reserved)
+WAIT_EVENT_ROW = struct.Struct("=QqqII")
+
+
+def wait_sites(raw, origin):
+    """The "waits", "dropped_waits" and "wait_events" fields from
+    read_waits (_hooks.c)."""
+    rows, dropped, events = raw
+    sites = [WaitSite(fn, filename, line, stack, ns * NS, count, greenlets)
+             for fn, filename, line, stack, ns, count, greenlets in rows]
+    order = sorted(range(len(sites)), key=lambda i: -sites[i].seconds)
+    rank = {i: r for r, i in enumerate(order)}
+    return {
+        "waits": [sites[i] for i in order],
+        "dropped_waits": dropped,
+        "wait_events": [
+            WaitEvent(gid, origin.to_epoch(a), origin.to_epoch(b), rank[i])
+            for gid, a, b, i, _ in WAIT_EVENT_ROW.iter_unpack(events)
+            if i in rank],
     }

@@ -98,6 +98,10 @@ static PyObject *co_filename_str, *co_name_str;
 static PyObject *fn_names;       /* code address -> (code, qualified name) */
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
                                    left out of captured stacks */
+static PyObject *reg_wait_sites; /* tag -> (code, fn_name, file, line, stack) */
+static PyObject *text_clean;     /* greqprof._text.clean */
+static PyObject *greenlet_dir;   /* greenlet's package dir, with '/' */
+static PyObject *module_dir(PyObject *mod);
 
 #define GQP_PY_MAX_LONG 1024
 #define GQP_PY_MAX_STACKS 20000
@@ -190,6 +194,14 @@ static int gqp_py_init(void)
     reg_long = PyObject_GetAttrString(reg, "long_spans");
     reg_names = PyObject_GetAttrString(reg, "names");
     reg_hub_ids = PyObject_GetAttrString(reg, "hub_ids");
+    reg_wait_sites = PyObject_GetAttrString(reg, "wait_sites");
+    greenlet_dir = module_dir(gm);
+    {
+        PyObject *tm = PyImport_ImportModule("greqprof._text");
+        text_clean = tm ? PyObject_GetAttrString(tm, "clean") : NULL;
+        Py_XDECREF(tm);
+        PyErr_Clear();
+    }
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");
         frame_getter = find_getter(gtype, "gr_frame");
@@ -216,7 +228,8 @@ static int gqp_py_init(void)
     }
     if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
         reg_stacks && reg_long && reg_names && reg_hub_ids &&
-        PyDict_Check(reg_hub_ids) &&
+        PyDict_Check(reg_hub_ids) && reg_wait_sites &&
+        PyDict_Check(reg_wait_sites) &&
         dead_getter.get && frame_getter.get && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
@@ -770,6 +783,434 @@ static void forget_later(uint64_t id)
     PyErr_Clear();
 }
 
+/* ---- wait sites ------------------------------------------------------- */
+/* A greenlet of a sampled request switched out (GQP_EV_WAIT): the site is
+ * the innermost frame of its suspended stack outside gevent, greenlet and
+ * greqprof, keyed by (code object, line).  Two caches keep this cheap, both
+ * keyed by code address with each entry holding its code object (so an
+ * address is not reused while it is cached), both emptied when half full:
+ *   - per code object: whether it is gevent's, greenlet's or greqprof's,
+ *     and its cleaned name and file name;
+ *   - per (code object, instruction): the line and the "file:line in
+ *     function" text of a frame stopped there (PyFrame_GetLineNumber
+ *     scans the code's line table: computed once, not per switch).
+ * A new site of a profile gets a record in _registry.wait_sites (its texts
+ * and the code object, which keeps the key's address from being reused
+ * while the profile is open). */
+
+#define GQP_PY_WAIT_DEPTH 64      /* frames looked at for the site */
+#define GQP_PY_CODE_SLOTS 2048    /* caches (powers of two) */
+#define GQP_PY_LINE_SLOTS 8192
+#define GQP_PY_MAX_WAIT_SITES 20000
+
+#define CODE_INSIDE 0x1  /* gevent, greenlet or greqprof: not a site */
+#define CODE_OWN 0x2     /* greqprof: left out of stacks */
+
+static PyObject *gevent_dir;     /* gevent's package dir (once imported) */
+static uint32_t next_site_tag = 1;
+
+typedef struct {
+    PyObject *code;      /* a reference, NULL = empty */
+    int kind;            /* CODE_* */
+    PyObject *fn_name;   /* cleaned, NULL until asked */
+    PyObject *filename;
+} code_slot;
+static code_slot code_cache[GQP_PY_CODE_SLOTS];
+static size_t code_cache_len;
+
+typedef struct {
+    PyObject *code;      /* a reference, NULL = empty */
+    int lasti;
+    int line;
+    PyObject *entry;     /* "file:line in function", NULL until asked */
+} line_slot;
+static line_slot line_cache[GQP_PY_LINE_SLOTS];
+static size_t line_cache_len;
+
+/* The directory of a module's __file__, with its trailing '/'. */
+static PyObject *module_dir(PyObject *mod)
+{
+    PyObject *file = PyObject_GetAttrString(mod, "__file__");
+    PyObject *dir = NULL;
+    if (file && PyUnicode_Check(file)) {
+        Py_ssize_t n = PyUnicode_GetLength(file);
+        Py_ssize_t slash = PyUnicode_FindChar(file, '/', 0, n, -1);
+        if (slash > 0) {
+            dir = PyUnicode_Substring(file, 0, slash + 1);
+        }
+    }
+    Py_XDECREF(file);
+    PyErr_Clear();
+    return dir;
+}
+
+static int starts_with(PyObject *s, PyObject *prefix)
+{
+    return prefix && PyUnicode_Tailmatch(s, prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+}
+
+/* s cleaned by the text contract: printable ASCII as it is, anything else
+ * through greqprof._text.clean.  A new reference, or NULL. */
+static PyObject *clean_text(PyObject *s)
+{
+    if (PyUnicode_Check(s) && PyUnicode_IS_ASCII(s)) {
+        const unsigned char *c = PyUnicode_1BYTE_DATA(s);
+        Py_ssize_t n = PyUnicode_GET_LENGTH(s), i = 0;
+        while (i < n && c[i] >= 0x20 && c[i] <= 0x7e) {
+            i++;
+        }
+        if (i == n) {
+            return Py_NewRef(s);
+        }
+    }
+    if (!text_clean) {
+        return PyObject_Str(s);
+    }
+    return PyObject_CallOneArg(text_clean, s);
+}
+
+static size_t slot_of(const void *code, int lasti, size_t mask)
+{
+    uint64_t a = (uint64_t)(uintptr_t)code ^ ((uint64_t)(unsigned)lasti << 40);
+    return (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+}
+
+/* The cache entry of code object co (NULL when it cannot be made yet:
+ * gevent's directory is not known before gevent is imported). */
+static code_slot *code_info(PyCodeObject *co)
+{
+    size_t mask = GQP_PY_CODE_SLOTS - 1;
+    size_t i = slot_of(co, 0, mask);
+    for (; code_cache[i].code; i = (i + 1) & mask) {
+        if (code_cache[i].code == (PyObject *)co) {
+            return &code_cache[i];
+        }
+    }
+    if (!gevent_dir) {
+        PyObject *name = PyUnicode_InternFromString("gevent");
+        PyObject *mod = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        if (mod) {
+            gevent_dir = module_dir(mod);
+            Py_DECREF(mod);
+        }
+        PyErr_Clear();
+        if (!gevent_dir) {
+            return NULL;
+        }
+    }
+    if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
+        /* Start over (code made at run time would grow it forever). */
+        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
+            Py_CLEAR(code_cache[k].code);
+            Py_CLEAR(code_cache[k].fn_name);
+            Py_CLEAR(code_cache[k].filename);
+        }
+        code_cache_len = 0;
+        for (i = slot_of(co, 0, mask); code_cache[i].code; i = (i + 1) & mask) {
+        }
+    }
+    PyObject *f = co->co_filename;
+    int own = starts_with(f, own_dir);
+    code_slot *s = &code_cache[i];
+    s->code = Py_NewRef((PyObject *)co);
+    s->kind = (own ? CODE_OWN | CODE_INSIDE : 0) |
+              (starts_with(f, gevent_dir) || starts_with(f, greenlet_dir)
+                   ? CODE_INSIDE : 0);
+    s->fn_name = s->filename = NULL;
+    code_cache_len++;
+    return s;
+}
+
+static int code_kind(PyCodeObject *co)
+{
+    code_slot *s = code_info(co);
+    if (s) {
+        return s->kind;
+    }
+    /* (gevent not imported yet: no gevent frame can exist) */
+    int own = starts_with(co->co_filename, own_dir);
+    return (own ? CODE_OWN | CODE_INSIDE : 0) |
+           (starts_with(co->co_filename, greenlet_dir) ? CODE_INSIDE : 0);
+}
+
+/* Borrowed cleaned (fn_name, filename) of co, or -1. */
+static int code_names(PyCodeObject *co, PyObject **fn, PyObject **file)
+{
+    code_slot *s = code_info(co);
+    if (!s) {
+        return -1;
+    }
+    if (!s->fn_name) {
+#if PY_VERSION_HEX >= 0x030B0000
+        s->fn_name = clean_text(co->co_qualname);
+#else
+        s->fn_name = clean_text(co->co_name);
+#endif
+        s->filename = s->fn_name ? clean_text(co->co_filename) : NULL;
+        if (!s->filename) {
+            Py_CLEAR(s->fn_name);
+            return -1;
+        }
+    }
+    *fn = s->fn_name;
+    *file = s->filename;
+    return 0;
+}
+
+static int frame_lasti(PyFrameObject *f)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    return f->f_lasti;
+#endif
+}
+
+/* The line cache entry of frame f (of code co), or NULL. */
+static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
+{
+    size_t mask = GQP_PY_LINE_SLOTS - 1;
+    int lasti = frame_lasti(f);
+    size_t i = slot_of(co, lasti, mask);
+    for (; line_cache[i].code; i = (i + 1) & mask) {
+        if (line_cache[i].code == (PyObject *)co &&
+            line_cache[i].lasti == lasti) {
+            return &line_cache[i];
+        }
+    }
+    if (line_cache_len >= GQP_PY_LINE_SLOTS / 2) {
+        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
+            Py_CLEAR(line_cache[k].code);
+            Py_CLEAR(line_cache[k].entry);
+        }
+        line_cache_len = 0;
+        for (i = slot_of(co, lasti, mask); line_cache[i].code;
+             i = (i + 1) & mask) {
+        }
+    }
+    line_slot *s = &line_cache[i];
+    s->code = Py_NewRef((PyObject *)co);
+    s->lasti = lasti;
+    s->line = PyFrame_GetLineNumber(f);
+    s->entry = NULL;
+    line_cache_len++;
+    return s;
+}
+
+/* Borrowed "file:line in function" of a frame, or NULL. */
+static PyObject *frame_entry(PyFrameObject *f, PyCodeObject *co)
+{
+    line_slot *s = line_info(f, co);
+    if (!s->entry) {
+        PyObject *fn, *file;
+        if (code_names(co, &fn, &file) < 0) {
+            return NULL;
+        }
+        s->entry = PyUnicode_FromFormat("%U:%d in %U", file, s->line, fn);
+    }
+    return s->entry;
+}
+
+/* ("file:line in function", ...) from frame f outwards, outermost first,
+ * greqprof's own frames left out.  Steals f. */
+static PyObject *site_stack(PyFrameObject *f)
+{
+    PyObject *lines[GQP_PY_STACK_DEPTH];
+    int n = 0, ok = 1;
+    while (f && n < GQP_PY_STACK_DEPTH) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        if (!(code_kind(co) & CODE_OWN)) {
+            PyObject *e = frame_entry(f, co);
+            if (!e) {
+                ok = 0;
+                Py_DECREF(co);
+                break;
+            }
+            lines[n++] = Py_NewRef(e); /* (the cache may be emptied) */
+        }
+        Py_DECREF(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    PyObject *t = ok ? PyTuple_New(n) : NULL;
+    for (int i = 0; i < n; i++) {
+        if (t) {
+            PyTuple_SET_ITEM(t, i, lines[n - 1 - i]); /* (steals) */
+        } else {
+            Py_DECREF(lines[n - 1 - i]);
+        }
+    }
+    return t;
+}
+
+/* Records a new site (site frame f, borrowed) in the registry; its tag. */
+static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
+{
+    if (PyDict_GET_SIZE(reg_wait_sites) >= GQP_PY_MAX_WAIT_SITES) {
+        /* Drop the oldest (a profile never read out leaves its records). */
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        if (PyDict_Next(reg_wait_sites, &pos, &k, &v)) {
+            Py_INCREF(k);
+            PyDict_DelItem(reg_wait_sites, k);
+            Py_DECREF(k);
+        }
+    }
+    PyObject *fn, *file, *rec = NULL;
+    if (code_names(co, &fn, &file) == 0) {
+        /* (site_stack may empty the cache that holds fn and file) */
+        Py_INCREF(fn);
+        Py_INCREF(file);
+        PyObject *stack = site_stack((PyFrameObject *)Py_NewRef(f));
+        rec = stack ? Py_BuildValue("(OOOiN)", (PyObject *)co, fn, file, line,
+                                    stack)
+                    : NULL;
+        Py_DECREF(fn);
+        Py_DECREF(file);
+    }
+    uint32_t tag = 0;
+    PyObject *key = rec ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
+    if (key && PyDict_SetItem(reg_wait_sites, key, rec) == 0) {
+        tag = next_site_tag++;
+        if (next_site_tag == 0) {
+            next_site_tag = 1;
+        }
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(rec);
+    PyErr_Clear();
+    return tag;
+}
+
+/* origin switched out alive while attached to a profile: say where. */
+static void on_wait(gqp_py_thread *st, PyObject *origin)
+{
+    PyObject *fr = getter_call(&frame_getter, origin);
+    if (!fr || !PyFrame_Check(fr)) {
+        Py_XDECREF(fr);
+        PyErr_Clear();
+        return;
+    }
+    PyFrameObject *top = (PyFrameObject *)fr;
+    PyFrameObject *f = (PyFrameObject *)Py_NewRef(fr);
+    PyCodeObject *co = NULL;
+    for (int depth = 0; f && depth < GQP_PY_WAIT_DEPTH; depth++) {
+        co = PyFrame_GetCode(f);
+        if (!(code_kind(co) & CODE_INSIDE)) {
+            break;
+        }
+        Py_CLEAR(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    if (!co) {
+        /* Only gevent's own frames (e.g. the server writing a response):
+         * the innermost one. */
+        Py_XDECREF(f);
+        f = (PyFrameObject *)Py_NewRef(top);
+        co = PyFrame_GetCode(f);
+    }
+    int line = line_info(f, co)->line;
+    /* Code addresses fit 48 bits; lines past 65535 share a key. */
+    uint64_t site = (uint64_t)(uintptr_t)co ^
+                    ((uint64_t)(line > 0xffff ? 0xffff : line & 0xffff) << 48);
+    gqp_profile *p = NULL;
+    size_t idx = 0;
+    int ev = gqp_tracer_wait_at(st->tracer, (uint64_t)(uintptr_t)origin,
+                                site ? site : 1, &p, &idx);
+    if (ev > 0 && (ev & GQP_EV_NEW_SITE) && p) {
+        uint32_t tag = store_site(f, co, line);
+        if (tag) {
+            gqp_profile_wait_set_tag(p, idx, tag);
+        }
+    }
+    Py_DECREF(co);
+    Py_DECREF(f);
+    Py_DECREF(fr);
+    PyErr_Clear();
+}
+
+/* read_waits(profile, take): the profile's wait sites, as a tuple
+ *   (((fn_name, filename, lineno, stack, wait_ns, count, greenlets), ...),
+ *    dropped, events)
+ * sites in table order (a site whose record the registry dropped has
+ * fn_name "?"); events: the gqp_wait_event structs as bytes
+ * (_collect.WAIT_EVENT_ROW).  take: the records go out of the registry
+ * (the profile is done). */
+
+_Static_assert(sizeof(gqp_wait_event) == 32,
+               "_collect.WAIT_EVENT_ROW is '=QqqII'");
+
+static PyObject *read_waits(gqp_profile *p, int take)
+{
+    size_t n = gqp_profile_wait_count(p);
+    PyObject *rows = PyTuple_New((Py_ssize_t)n);
+    size_t i = 0;
+    for (; rows && i < n; i++) {
+        gqp_wait_stat w;
+        if (gqp_profile_wait(p, i, &w) != GQP_OK) {
+            break;
+        }
+        PyObject *rec = NULL;
+        PyObject *key = w.tag ? PyLong_FromUnsignedLong(w.tag) : NULL;
+        if (key) {
+            rec = PyDict_GetItemWithError(reg_wait_sites, key);
+            Py_XINCREF(rec);
+            if (rec && take && PyDict_DelItem(reg_wait_sites, key) < 0) {
+                PyErr_Clear();
+            }
+            Py_DECREF(key);
+        }
+        PyErr_Clear();
+        PyObject *row;
+        if (rec && PyTuple_Check(rec) && PyTuple_GET_SIZE(rec) == 5) {
+            row = Py_BuildValue(
+                "(OOOOLKK)", PyTuple_GET_ITEM(rec, 1),
+                PyTuple_GET_ITEM(rec, 2), PyTuple_GET_ITEM(rec, 3),
+                PyTuple_GET_ITEM(rec, 4), (long long)w.wait_ns,
+                (unsigned long long)w.count,
+                (unsigned long long)w.greenlets);
+        } else {
+            row = Py_BuildValue("(ssi()LKK)", "?", "", 0,
+                                (long long)w.wait_ns,
+                                (unsigned long long)w.count,
+                                (unsigned long long)w.greenlets);
+        }
+        Py_XDECREF(rec);
+        if (!row) {
+            Py_CLEAR(rows);
+            break;
+        }
+        PyTuple_SET_ITEM(rows, (Py_ssize_t)i, row);
+    }
+    if (rows && i < n && _PyTuple_Resize(&rows, (Py_ssize_t)i) < 0) {
+        rows = NULL;
+    }
+    if (!rows) {
+        return NULL;
+    }
+    size_t ne = gqp_profile_wait_event_count(p);
+    PyObject *events = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)(ne * sizeof(gqp_wait_event)));
+    if (!events) {
+        Py_DECREF(rows);
+        return NULL;
+    }
+    gqp_wait_event *ev = (gqp_wait_event *)(void *)PyBytes_AS_STRING(events);
+    for (size_t k = 0; k < ne; k++) {
+        if (gqp_profile_wait_event(p, k, &ev[k]) != GQP_OK) {
+            memset(&ev[k], 0, sizeof ev[k]);
+        }
+    }
+    return Py_BuildValue("(NKN)", rows,
+                         (unsigned long long)gqp_profile_waits_dropped(p),
+                         events);
+}
+
 /* ---- the greenlet hook ----------------------------------------------- */
 
 static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
@@ -803,6 +1244,9 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         if (ev > 0) {
             if (ev & GQP_EV_LONG_SPAN) {
                 on_long_span(st, origin, dead);
+            }
+            if ((ev & GQP_EV_WAIT) && st_live(st)) {
+                on_wait(st, origin);
             }
             if ((ev & GQP_EV_NEW_GREENLET) && st_live(st)) {
                 on_new_greenlet(st, target);
@@ -1354,7 +1798,7 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * (greqprof._collect.request_records).
  *   (spans, greenlets, longest, end_ns, waited_ns, waited_top, complete,
  *    spans_dropped, calls_dropped, epoch_origin, wall_origin, names,
- *    stacks)
+ *    stacks, waits)
  * spans: gqp_span structs (_collect.SPAN_ROW); greenlets:
  * gqp_py_greenlet_row structs (_collect.GREENLET_ROW); longest: one span's
  * bytes, or None; end_ns: the later of end_ns and the last span's end, the
@@ -1362,7 +1806,8 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * names or None), ...); names: {greenlet_id: (name, fn_name)} for the
  * greenlets of the rows, the registry's names, else the profile's; stacks:
  * {tag: text} of the spans' stacks, taken out of the registry (take true)
- * or copied (take false: the profile is still open), or None.  profile and
+ * or copied (take false: the profile is still open), or None; waits:
+ * read_waits' (sites, dropped).  profile and
  * tracer are the addresses of live objects the caller owns (internal:
  * greqprof.middleware only). */
 
@@ -1471,7 +1916,7 @@ static int has_row(const gqp_py_greenlet_row *rows, size_t n, uint64_t gid)
     return 0;
 }
 
-#define GQP_PY_PROFILE_ITEMS 13
+#define GQP_PY_PROFILE_ITEMS 14
 
 static PyObject *read_profile(PyObject *self, PyObject *const *args,
                               Py_ssize_t nargs)
@@ -1659,6 +2104,7 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
     it[8] = PyLong_FromUnsignedLongLong(gqp_profile_calls_dropped(p));
     it[9] = PyLong_FromLongLong((long long)gqp_profile_epoch_origin(p));
     it[10] = PyLong_FromLongLong((long long)gqp_profile_wall_origin(p));
+    it[13] = read_waits(p, take);
     for (int i = 0; i < GQP_PY_PROFILE_ITEMS; i++) {
         if (!it[i]) {
             goto done;

@@ -118,6 +118,7 @@ def render_text(p, max_spans=100, calls_limit=25):
         if w.fn_name:
             who += " (%s)" % safe(w.fn_name, 300)
         out.append("  %10s  %s" % (_ms(w.seconds), who))
+    out += render_waits(p.waits, dropped=p.dropped_waits)
     for b in p.blocking:
         out.append("Blocking span: %s (CPU %s) in greenlet %d %s (%s)" % (
             _ms(b.wall), _ms(b.cpu), b.greenlet_id,
@@ -147,3 +148,22 @@ def render_blocking(b):
     if not b.sampled_stack and not b.stack:
         parts.append("(no stack captured: the greenlet finished)")
     return "\n".join(parts)
+
+
+def render_waits(waits, limit=5, dropped=0):
+    """The ``Waited at:`` section's lines: the top `limit` wait sites
+    (largest first), one line each: time waited, count, greenlets,
+    ``fn_name (file:line)``.  No lines when the request never waited."""
+    if not waits and not dropped:
+        return []
+    shown = waits[:limit]
+    lines = ["Waited at: (top %d of %d sites)" % (len(shown), len(waits))]
+    for w in shown:
+        lines.append("  %10s %6d wait%s %4d greenlet%s  %s (%s:%d)" % (
+            _ms(w.seconds), w.count, " " if w.count == 1 else "s",
+            w.greenlets, " " if w.greenlets == 1 else "s",
+            safe(w.fn_name, 200), safe(w.filename, 300), w.lineno))
+    if dropped:
+        lines.append("  (%d waits at further sites not recorded: the "
+                     "table of sites was full)" % dropped)
+    return lines

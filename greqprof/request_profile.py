@@ -89,6 +89,40 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class WaitSite:
+    """Code where the request's greenlets waited.
+
+    Each time one of them switched out here (the innermost frame outside
+    gevent and greenlet), the time until it ran again (seconds, summed over
+    the greenlets); ``count`` such waits, by ``greenlets`` distinct
+    greenlets.  ``stack`` is ``"file:line in function"`` strings, outermost
+    first, ending at the site."""
+    fn_name: str
+    filename: str
+    lineno: int
+    stack: Tuple[str, ...]
+    seconds: float
+    count: int
+    greenlets: int
+
+    def to_dict(self):
+        d = asdict(self)
+        d["stack"] = list(self.stack)
+        return d
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    """One wait of a greenlet: switched out at ``start``, ran again at
+    ``end`` (seconds since the epoch); ``site`` is the index of its
+    WaitSite in ``RequestProfile.waits``."""
+    greenlet_id: int
+    start: float
+    end: float
+    site: int
+
+
+@dataclass(frozen=True)
 class BlockingEvent:
     """A span that held the event loop for at least the blocking threshold.
 
@@ -145,6 +179,12 @@ class RequestProfile:
     pid: int = 0
     hostname: str = ""
     error: Optional[str] = None
+    #: where the greenlets waited, largest first (see WaitSite)
+    waits: List[WaitSite] = field(default_factory=list)
+    #: waits not recorded: the profile's table of sites was full
+    dropped_waits: int = 0
+    #: the first waits one by one (1024 at most), in the order they ended
+    wait_events: List[WaitEvent] = field(default_factory=list)
 
     # A sampled request's profile is made deferred (_sampled.c's
     # build_profile): its instance dict holds the fields above except
@@ -153,7 +193,8 @@ class RequestProfile:
     # without reading their spans does not pay for building them.
 
     #: fields a deferred profile builds on first access
-    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets")
+    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets",
+                "waits", "dropped_waits", "wait_events")
 
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
@@ -213,6 +254,9 @@ class RequestProfile:
             },
             "greenlets": [g.to_dict() for g in self.greenlets],
             "blocking": [b.to_dict() for b in self.blocking],
+            "waits": [w.to_dict() for w in self.waits],
+            "dropped_waits": self.dropped_waits,
+            "wait_events": [asdict(e) for e in self.wait_events],
             "calls": ([f.to_dict() for f in self.calls]
                       if self.calls is not None else None),
         }
@@ -288,7 +332,14 @@ class RequestProfile:
             request_id=r.text(d, "request_id", "request_id", optional=True),
             pid=r.count(d, "pid", "pid", default=0),
             hostname=r.text(d, "hostname", "hostname", default=""),
-            error=r.text(d, "error", "error", optional=True))
+            error=r.text(d, "error", "error", optional=True),
+            waits=[r.wait_site(x, "waits[%d]" % i) for i, x in
+                   enumerate(r.list(d, "waits", "waits", default=[]))],
+            dropped_waits=r.count(d, "dropped_waits", "dropped_waits",
+                                  default=0),
+            wait_events=[r.wait_event(x, "wait_events[%d]" % i) for i, x in
+                         enumerate(r.list(d, "wait_events", "wait_events",
+                                          default=[]))])
 
     def save(self, path):
         with open(path, "w", encoding="utf-8") as f:
@@ -442,6 +493,29 @@ class _Reader:
             fn_name=self.text(x, "fn_name", w + "fn_name"),
             seconds=self.seconds(x, "seconds", w + "seconds"))
 
+    def wait_site(self, x, where):
+        x = self.obj(x, where, _WAIT_SITE_FIELDS)
+        w = where + "."
+        stack = self.list(x, "stack", w + "stack", default=[])
+        return WaitSite(
+            fn_name=self.text(x, "fn_name", w + "fn_name"),
+            filename=self.text(x, "filename", w + "filename"),
+            lineno=self.count(x, "lineno", w + "lineno"),
+            stack=tuple(self.text({"s": f}, "s", "%sstack[%d]" % (w, n))
+                        for n, f in enumerate(stack)),
+            seconds=self.seconds(x, "seconds", w + "seconds"),
+            count=self.count(x, "count", w + "count"),
+            greenlets=self.count(x, "greenlets", w + "greenlets"))
+
+    def wait_event(self, x, where):
+        x = self.obj(x, where, _WAIT_EVENT_FIELDS)
+        w = where + "."
+        return WaitEvent(
+            greenlet_id=self.count(x, "greenlet_id", w + "greenlet_id"),
+            start=self.time(x, "start", w + "start"),
+            end=self.time(x, "end", w + "end"),
+            site=self.count(x, "site", w + "site"))
+
     def greenlet(self, x, where):
         x = self.obj(x, where, _GREENLET_FIELDS)
         w = where + "."
@@ -507,6 +581,8 @@ def _fields(cls, *extra):
 # (keys to_dict writes for each record: anything else is refused)
 _SPAN_FIELDS = _fields(Span)
 _WAITED_FIELDS = _fields(WaitedOn)
+_WAIT_SITE_FIELDS = _fields(WaitSite)
+_WAIT_EVENT_FIELDS = _fields(WaitEvent)
 _GREENLET_FIELDS = _fields(GreenletStat)
 _BLOCKING_FIELDS = _fields(BlockingEvent, "schema")
 _FUNC_FIELDS = _fields(FuncStat, "tavg")

@@ -214,8 +214,8 @@ def all_profiles(real):
 # the registry and the common view
 
 def test_registry_has_every_format_once():
-    assert sorted(RENDERERS) == ["callgrind", "html", "json", "pstats",
-                                 "speedscope", "text", "trace"]
+    assert sorted(RENDERERS) == ["callgrind", "html", "json", "offcpu",
+                                 "pstats", "speedscope", "text", "trace"]
     for name, r in RENDERERS.items():
         assert isinstance(r, Renderer) and r.name == name
         assert r.extension and not r.extension.startswith(".")
