@@ -15,6 +15,10 @@ import os
 import sys
 
 UI_PATH = "/_greqprof"
+#: seconds requests in flight get to end on SIGTERM/SIGINT
+STOP_GRACE_S = 5.0
+#: seconds the profiles still waiting may take to be delivered then
+FLUSH_S = 5.0
 
 
 class CliError(Exception):
@@ -87,10 +91,21 @@ def cmd_serve(args):
     print("greqprof: serving %s on %s" % (args.app, url), flush=True)
     if args.ui:
         print("greqprof: inspector at %s%s/" % (url, UI_PATH), flush=True)
+    # SIGTERM and SIGINT stop the server (the requests in flight get
+    # STOP_GRACE_S to end), then the profiles still lingering or queued
+    # are delivered (bounded by FLUSH_S) before the process exits.
+    import signal
+    import gevent
+    from gevent.event import Event
+    stopping = Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        gevent.signal_handler(sig, stopping.set)
     try:
-        server.serve_forever()
+        stopping.wait()
     except KeyboardInterrupt:
         pass
+    server.stop(timeout=STOP_GRACE_S)
+    mw.flush(timeout=FLUSH_S)
     return 0
 
 

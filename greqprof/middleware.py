@@ -1,5 +1,6 @@
 """ProfilingMiddleware: per-request, greenlet-aware profiles for WSGI apps
 served by gevent, plus blocking alerts for every request."""
+import atexit
 import hmac
 import json
 import logging
@@ -8,6 +9,7 @@ import os
 import random
 import socket
 import weakref
+from time import monotonic as _monotonic
 
 from . import _collect, _lowlevel, _registry
 from ._lowlevel import NS, RequestRawProfile
@@ -241,25 +243,18 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         self._set_linger(float(linger))
         self._linger = float(linger)
 
-    def flush(self):
+    def flush(self, timeout=None):
         """Finishes, at once, the profiles of this thread that are still
         waiting for their requests' greenlets (see ``linger``), so nothing
         is lost when a worker exits: those of every middleware the thread
-        serves, each delivered by its own.  Returns how many."""
-        from .engine import current_engine
-        eng = current_engine()
-        if eng is None:
-            return 0
-        n = 0
-        # pending, not lingering: a request whose greenlet went on to its
-        # next request left lingering but still waits for its children.
-        # Each by its own middleware (several may share the thread).
-        for mw, req in list(eng.pending):
-            if req.profile is not None and req.greenlet is not None and \
-                    not req.finalizing:
-                mw._finalize(eng, req)
-                n += 1
-        return n
+        serves, each delivered by its own.  ``timeout``: seconds after
+        which the rest is given up (a sink that hangs cannot hold the
+        exit); None: no limit.  Returns how many were delivered.
+
+        It also runs by itself at interpreter exit (``atexit``, for the
+        thread that exits) and, under ``python -m greqprof serve``, on
+        SIGTERM and SIGINT."""
+        return flush_thread(timeout)
 
     def __repr__(self):
         # Never show the trigger secret.
@@ -718,6 +713,45 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                            safe(str(exc), 300), where)
         except Exception:
             pass
+
+
+def flush_thread(timeout=None):
+    """ProfilingMiddleware.flush() for the calling thread's engine."""
+    from .engine import current_engine
+    eng = current_engine()
+    if eng is None:
+        return 0
+    deadline = None if timeout is None else _monotonic() + timeout
+    n = 0
+    # pending, not lingering: a request whose greenlet went on to its
+    # next request left lingering but still waits for its children.
+    # Each by its own middleware (several may share the thread).
+    for mw, req in list(eng.pending):
+        if deadline is not None and _monotonic() > deadline:
+            break
+        if req.profile is not None and req.greenlet is not None and \
+                not req.finalizing:
+            mw._finalize(eng, req)
+            n += 1
+    return n
+
+
+#: seconds the flush at interpreter exit may take at most
+EXIT_FLUSH_S = 5.0
+
+
+def _flush_at_exit():
+    """atexit: the profiles still lingering or queued in the exiting
+    thread are delivered (bounded by EXIT_FLUSH_S)."""
+    if not _middlewares:
+        return
+    try:
+        flush_thread(EXIT_FLUSH_S)
+    except BaseException:   # (never fail the interpreter's exit)
+        pass
+
+
+atexit.register(_flush_at_exit)
 
 
 def _forget(eng, req):

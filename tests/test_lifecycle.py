@@ -66,3 +66,91 @@ def test_failed_write_leaves_no_file_under_a_final_name(tmp_path):
     assert all("-small-" in n for n in names), names
     for n in names:   # the small ones are complete
         assert os.path.getsize(os.path.join(str(tmp_path), n)) > 100
+
+
+# ---------------------------------------------------------------------------
+# 5. nothing lost at exit
+
+#: an app whose requests spawn a greenlet that outlives them, so their
+#: profiles linger (up to GREQPROF_LINGER) after the response
+LINGERING_APP = '''
+import gevent
+
+def _child():
+    gevent.sleep(30)
+
+def app(environ, start_response):
+    gevent.spawn(_child)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"hello"]
+'''
+
+
+def test_profiles_lingering_at_interpreter_exit_are_delivered():
+    """The process ends (falls off the end of its script) while 6 profiles
+    linger waiting for their children: all 6 are delivered at exit."""
+    r = run_python('''
+        import sys
+        import gevent
+        from gevent import pywsgi, socket
+        from greqprof import ProfilingMiddleware
+        ns = {}
+        exec(%r, ns)
+        def sink(p):
+            sys.stdout.write("delivered %%s\\n" %% p.path)
+            sys.stdout.flush()
+        mw = ProfilingMiddleware(ns["app"], pct=1.0, linger=5, sink=sink,
+                                 report=False)
+        server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        server.start()
+        for i in range(6):
+            s = socket.create_connection(("127.0.0.1", server.server_port))
+            s.sendall(b"GET /r%%d HTTP/1.1\\r\\nHost: x\\r\\n"
+                      b"Connection: close\\r\\n\\r\\n" %% i)
+            while s.recv(4096):
+                pass
+            s.close()
+        gevent.sleep(0.2)
+        print("requests done", mw._open, flush=True)
+    ''' % LINGERING_APP)
+    assert r.returncode == 0, r.stderr
+    assert "requests done 6" in r.stdout, r.stdout   # still lingering
+    delivered = [l for l in r.stdout.splitlines() if l.startswith("delivered")]
+    assert sorted(delivered) == ["delivered /r%d" % i for i in range(6)]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_serve_delivers_lingering_profiles_on_signal(tmp_path, signame):
+    """python -m greqprof serve, stopped by SIGTERM or SIGINT while 5
+    profiles linger: all 5 are written to the profile directory."""
+    import re
+    import signal
+    import urllib.request
+    (tmp_path / "lingering_app.py").write_text(LINGERING_APP)
+    out = tmp_path / "profiles"
+    env = dict(os.environ, GREQPROF_LINGER="30", PYTHONPATH=ROOT)
+    with open(str(tmp_path / "stderr.txt"), "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "greqprof", "serve", "lingering_app:app",
+             "--port", "0", "--quiet", "--profile-dir", str(out)],
+            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err, env=env)
+    try:
+        line = proc.stdout.readline().decode()
+        url = re.search(r"on (http://\S+)", line).group(1)
+        for i in range(5):
+            with urllib.request.urlopen(url + "/r%d" % i, timeout=10) as r:
+                assert r.read() == b"hello"
+        assert not os.path.exists(str(out)) or not [
+            f for f in os.listdir(str(out)) if not f.startswith(".")]
+        proc.send_signal(getattr(signal, signame))
+        assert proc.wait(timeout=30) == 0, (
+            tmp_path / "stderr.txt").read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    names = sorted(f for f in os.listdir(str(out)) if not f.startswith("."))
+    assert len(names) == 5, names
+    assert sorted(re.search(r"-(r\d)-", n).group(1) for n in names) == [
+        "r%d" % i for i in range(5)]
