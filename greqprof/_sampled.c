@@ -208,7 +208,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *greenlet, *gid, *profile, *addr, *method, *path, *status,
         *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
-        *blocking, *observed, *generation, *engine;
+        *blocking, *observed, *generation, *engine, *notes, *truncated;
     PyObject *weakrefs;
     char finalizing;   /* set when a _finalize takes the request on */
 } gqp_req;
@@ -234,6 +234,8 @@ static PyMemberDef req_members[] = {
     REQ_FIELD(observed, "Observers' state, or None."),
     REQ_FIELD(generation, "Fork generation it began in."),
     REQ_FIELD(engine, "The engine of the thread it began in."),
+    REQ_FIELD(notes, "The app's notes (current_profile().note), or None."),
+    REQ_FIELD(truncated, "True when closed by max_lifetime."),
     {"finalizing", T_BOOL, offsetof(gqp_req, finalizing), READONLY,
      "True once a _finalize took it on (it is finalized once)."},
     {NULL, 0, 0, 0, NULL},
@@ -258,6 +260,8 @@ static int req_traverse(gqp_req *self, visitproc visit, void *arg)
     Py_VISIT(self->observed);
     Py_VISIT(self->generation);
     Py_VISIT(self->engine);
+    Py_VISIT(self->notes);
+    Py_VISIT(self->truncated);
     return 0;
 }
 
@@ -280,6 +284,8 @@ static int req_clear(gqp_req *self)
     Py_CLEAR(self->observed);
     Py_CLEAR(self->generation);
     Py_CLEAR(self->engine);
+    Py_CLEAR(self->notes);
+    Py_CLEAR(self->truncated);
     return 0;
 }
 
@@ -904,7 +910,8 @@ static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
     *str_f_method, *str_f_path, *str_f_status, *str_f_start, *str_f_end,
     *str_f_wall, *str_f_calls, *str_f_dropped_spans, *str_f_dropped_calls,
     *str_f_blocking, *str_f_clock, *str_f_sampled_by, *str_f_request_id,
-    *str_f_pid, *str_f_hostname, *str_f_error;
+    *str_f_pid, *str_f_hostname, *str_f_error, *str_f_notes,
+    *str_f_truncated;
 
 /* The RequestProfile of req (its response ended), from the profile of
  * tracer's thread.  Only what must be read now is read now, by
@@ -962,6 +969,12 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
         {str_f_pid, pid},
         {str_f_hostname, Py_XNewRef(mw->hostname)},
         {str_f_error, Py_XNewRef(req->error)},
+        {str_f_notes, req->notes && PyList_Check(req->notes)
+                          ? PyList_GetSlice(req->notes, 0,
+                                            PyList_GET_SIZE(req->notes))
+                          : PyList_New(0)},
+        {str_f_truncated, Py_NewRef(req->truncated == Py_True ? Py_True
+                                                              : Py_False)},
         {str_loader, loader},
     };
     size_t n = sizeof kv / sizeof kv[0];
@@ -1384,7 +1397,8 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_f_blocking, "blocking"}, {&str_f_clock, "clock"},
         {&str_f_sampled_by, "sampled_by"}, {&str_f_request_id, "request_id"},
         {&str_f_pid, "pid"}, {&str_f_hostname, "hostname"},
-        {&str_f_error, "error"},
+        {&str_f_error, "error"}, {&str_f_notes, "notes"},
+        {&str_f_truncated, "truncated"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

@@ -91,6 +91,11 @@ class RequestProfile:
     pid: int = 0
     hostname: str = ""
     error: Optional[str] = None
+    #: what the app attached with ``greqprof.current_profile().note()``
+    notes: List[str] = field(default_factory=list)
+    #: True when the profile was closed by ``max_lifetime`` before the
+    #: request ended (what came after is not in it)
+    truncated: bool = False
 
     # A sampled request's profile is made deferred (_sampled.c's
     # build_profile): its instance dict holds the fields above except
@@ -147,6 +152,8 @@ class RequestProfile:
             "pid": self.pid,
             "hostname": self.hostname,
             "error": self.error,
+            "notes": list(self.notes),
+            "truncated": bool(self.truncated),
             "dropped_spans": self.dropped_spans,
             "dropped_calls": self.dropped_calls,
             "spans": [s.to_dict() for s in self.spans],
@@ -213,7 +220,8 @@ class RequestProfile:
                 sampled_by=d.get("sampled_by", "pct"),
                 request_id=d.get("request_id"),
                 pid=d.get("pid", 0), hostname=d.get("hostname", ""),
-                error=d.get("error"))
+                error=d.get("error"), notes=list(d.get("notes") or ()),
+                truncated=bool(d.get("truncated", False)))
         except (KeyError, TypeError) as e:
             raise ValueError("malformed RequestProfile dict: %s" % e) from e
 

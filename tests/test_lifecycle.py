@@ -154,3 +154,59 @@ def test_serve_delivers_lingering_profiles_on_signal(tmp_path, signame):
     assert len(names) == 5, names
     assert sorted(re.search(r"-(r\d)-", n).group(1) for n in names) == [
         "r%d" % i for i in range(5)]
+
+
+# ---------------------------------------------------------------------------
+# 9. an API for the app: greqprof.current_profile()
+
+from test_middleware import serve, http, wait_for, settle  # noqa: E402,F401
+
+
+def _noting_app(seen):
+    import gevent
+    import greqprof
+
+    def child():
+        greqprof.current_profile().note("from a child greenlet")
+
+    def app(environ, start_response):
+        h = greqprof.current_profile()
+        seen.append(bool(h))
+        h.note("first note")
+        h.note("bidi \u202e and\nnewline")
+        try:
+            raise KeyError("handled by the framework")
+        except KeyError as e:
+            h.set_error(e)
+        gevent.spawn(child).join()
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+    return app
+
+
+def test_current_profile_notes_and_error_reach_the_profile(serve):
+    seen = []
+    s = serve(_noting_app(seen), pct=1.0)
+    assert s.get("/noted").status == 200
+    p = s.profile_for("/noted")
+    assert seen == [True]
+    assert p.error == "KeyError: 'handled by the framework'"
+    assert p.notes == ["first note", "bidi \\u202e and\\x0anewline",
+                       "from a child greenlet"]
+    assert p.truncated is False
+    d = p.to_dict()
+    assert d["notes"] == p.notes and d["truncated"] is False
+    assert type(p).from_dict(d).notes == p.notes
+
+
+def test_current_profile_is_a_quiet_no_op_when_not_sampled(serve):
+    import greqprof
+    seen = []
+    s = serve(_noting_app(seen), pct=0.0, blocking_ms=50)
+    assert s.get("/not-sampled").status == 200
+    settle(0.2)
+    assert seen == [False] and s.profiles == []
+    # outside any request too
+    assert not greqprof.current_profile()
+    greqprof.current_profile().note("x")
+    greqprof.current_profile().set_error(ValueError("y"))
