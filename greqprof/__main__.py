@@ -61,25 +61,34 @@ def cmd_serve(args):
     from gevent import pywsgi
 
     from .errors import ConfigError
-    from .middleware import ProfilingMiddleware
+    from .middleware import ProfilingMiddleware, find_middleware
 
     if args.patch:
         from gevent import monkey
         monkey.patch_all()
     app = load_app(args.app)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mw = find_middleware(app)
+    if mw is not None:
+        # The module wraps its app already: served as it is (its own
+        # options), not profiled twice.
+        print("greqprof: %s is already wrapped in a ProfilingMiddleware; "
+              "its options are used, not the command line's" % args.app,
+              file=sys.stderr, flush=True)
     try:
-        mw = ProfilingMiddleware(
-            app, pct=args.pct, calls=args.calls,
-            blocking_ms=args.blocking_ms if args.blocking_ms > 0 else None,
-            ui_path=UI_PATH if args.ui else None,
-            profile_dir=args.profile_dir,
-            formats=args.formats.split(",") if args.formats else None,
-            report=not args.quiet)
+        if mw is None:
+            mw = app = ProfilingMiddleware(
+                app, pct=args.pct, calls=args.calls,
+                blocking_ms=(args.blocking_ms if args.blocking_ms > 0
+                             else None),
+                ui_path=UI_PATH if args.ui else None,
+                profile_dir=args.profile_dir,
+                formats=args.formats.split(",") if args.formats else None,
+                report=not args.quiet)
     except ConfigError as e:
         raise CliError(str(e))
     try:
-        server = pywsgi.WSGIServer((args.host, args.port), mw,
+        server = pywsgi.WSGIServer((args.host, args.port), app,
                                    log=None if args.quiet else "default")
         server.start()
     except OSError as e:

@@ -236,6 +236,7 @@ typedef struct {
     int enabled;             /* 0: a plain pass-through */
     int slow_only;           /* inspector / observers: every request slow */
     int blocking;            /* unsampled requests are noted */
+    int deferred;            /* found inside another greqprof middleware */
     /* Sampled requests (_sampled.c): */
     int calls;               /* calls=True: Python begins them */
     int linger;              /* linger > 0: the finisher finalizes */
@@ -269,7 +270,8 @@ static PyObject *mw_build_profile(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
 static int gqp_py_sampled_init(PyObject *reg);
 
-static PyObject *str_call_slow, *str_pct, *str_requests,
+static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
+    *str_defer,
     *str_internal_error, *str_begin, *str_method_key, *str_path_key,
     *str_rid_key, *str_lingering, *str_requests_attr, *str_profile_requests,
     *str_pending;
@@ -451,6 +453,27 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     if (!self->enabled) {
         return call2(self->app, environ, start_response);
+    }
+    if (PyDict_CheckExact(environ)) {
+        /* Wrapped twice (Flask's app.wsgi_app plus a server hook that
+         * wraps again): the outer middleware marks the request, the inner
+         * one defers to it (and says so once, in Python). */
+        PyObject *outer = PyDict_GetItemWithError(environ, str_mark_key);
+        if (outer && outer != (PyObject *)self) {
+            if (!self->deferred) {
+                self->deferred = 1;
+                PyObject *r = PyObject_CallMethodOneArg(
+                    (PyObject *)self, str_defer, outer);
+                Py_XDECREF(r);
+                PyErr_Clear();
+            }
+            return call2(self->app, environ, start_response);
+        }
+        if (!outer && (PyErr_Occurred() ||
+                       PyDict_SetItem(environ, str_mark_key,
+                                      (PyObject *)self) < 0)) {
+            PyErr_Clear();
+        }
     }
     if (self->slow_only || !PyDict_CheckExact(environ)) {
         return call_method2((PyObject *)self, str_call_slow, environ,
@@ -744,6 +767,7 @@ static int gqp_py_fast_init(PyObject *reg)
         {&str_path_key, "PATH_INFO"}, {&str_rid_key, "HTTP_X_REQUEST_ID"},
         {&str_lingering, "lingering"}, {&str_requests_attr, "requests"},
         {&str_profile_requests, "profile_requests"}, {&str_pending, "pending"},
+        {&str_mark_key, "greqprof.middleware"}, {&str_defer, "_defer"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

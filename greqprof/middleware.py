@@ -28,6 +28,8 @@ except ImportError:  # pragma: no cover - greenlet is a dependency
     raise
 
 MAX_PATH = 2048
+#: environ key with the outermost ProfilingMiddleware of a request
+MARK_KEY = "greqprof.middleware"
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MAX_REQUEST_ID = 200
 
@@ -274,6 +276,17 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         (the trigger header, the inspector, observers, a thread not set up
         yet), which Python decides."""
         req = None
+        if self.enabled and not isinstance(environ, dict):
+            # (an exact dict is marked by the C path)
+            try:
+                outer = environ.get(MARK_KEY)
+                if outer is not None and outer is not self:
+                    self._defer(outer)
+                    return self.app(environ, start_response)
+                if outer is None:
+                    environ[MARK_KEY] = self
+            except Exception:
+                pass
         if self.enabled:  # (GREQPROF_ENABLED=0: a plain pass-through)
             try:
                 req = self._begin(environ, drawn)
@@ -284,6 +297,20 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if req is _INSPECTOR:
             return self.inspector(environ, start_response)  # not profiled
         return self._call_profiled(req, environ, start_response)
+
+    def _defer(self, outer):
+        """This middleware serves requests that another ProfilingMiddleware
+        around it profiles already: it passes them through (once logged)."""
+        if getattr(self, "_deferring", False):
+            return
+        self._deferring = True
+        try:
+            self.log.warning(
+                "greqprof: this ProfilingMiddleware is wrapped in another "
+                "one (%r); it passes requests through and the outer one "
+                "profiles them", outer)
+        except Exception:
+            pass
 
     # _call_profiled(req, environ, start_response) is MiddlewareBase's, in
     # C (_sampled.c): the app runs with a C start_response and its body is
@@ -714,6 +741,33 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                            safe(str(exc), 300), where)
         except Exception:
             pass
+
+
+def find_middleware(app, depth=8):
+    """The ProfilingMiddleware that app is or carries (Flask's
+    ``app.wsgi_app = ProfilingMiddleware(app.wsgi_app)``, a wrapper's
+    ``.app``/``.application``/``__wrapped__``), looked for up to depth
+    objects deep; None when there is none."""
+    seen = set()
+    todo = [(app, 0)]
+    while todo:
+        obj, d = todo.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, ProfilingMiddleware):
+            return obj
+        if d >= depth:
+            continue
+        for name in ("wsgi_app", "app", "application", "__wrapped__",
+                     "__self__"):
+            try:
+                inner = getattr(obj, name, None)
+            except Exception:
+                continue
+            if inner is not None and not isinstance(inner, (str, bytes)):
+                todo.append((inner, d + 1))
+    return None
 
 
 #: notes kept per request, and characters per note

@@ -210,3 +210,139 @@ def test_current_profile_is_a_quiet_no_op_when_not_sampled(serve):
     assert not greqprof.current_profile()
     greqprof.current_profile().note("x")
     greqprof.current_profile().set_error(ValueError("y"))
+
+
+# ---------------------------------------------------------------------------
+# 4. wrapped twice, profiled once
+
+def _blocking_app(environ, start_response):
+    import time
+    time.sleep(0.08)   # holds the loop: a blocking span (not monkey-patched)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+class _FlaskLike:
+    """What Flask's idiom leaves: an app object whose wsgi_app attribute
+    is the middleware (app.wsgi_app = ProfilingMiddleware(app.wsgi_app))."""
+
+    def __init__(self, wsgi_app):
+        self.wsgi_app = wsgi_app
+
+    def __call__(self, environ, start_response):
+        return self.wsgi_app(environ, start_response)
+
+
+@pytest.mark.parametrize("pct", [1.0, 0.0])
+def test_wrapped_twice_is_profiled_once(serve, caplog, pct):
+    """An inner middleware (Flask's app.wsgi_app idiom) inside an outer one
+    (a server hook that wraps again): each request profiled once, by the
+    outer one, with its spans; each blocking span logged once; the inner
+    one says once that it defers."""
+    import logging
+    from greqprof import ProfilingMiddleware
+    caplog.set_level(logging.INFO, logger="greqprof")
+    inner_profiles = []
+    inner = ProfilingMiddleware(_blocking_app, pct=1.0, blocking_ms=50,
+                                sink=inner_profiles.append, linger=0.3,
+                                report=False)
+    s = serve(_FlaskLike(inner), pct=pct, blocking_ms=50, report=False)
+    for i in range(3):
+        assert s.get("/twice%d" % i).status == 200
+    if pct:
+        s.wait_profiles(3)
+    settle(0.3)
+    assert inner_profiles == []
+    assert len(s.profiles) == (3 if pct else 0)
+    for p in s.profiles:
+        assert p.spans and p.wall >= 0.08 - 0.01
+        assert len(p.blocking) == 1
+    def warnings():
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING]
+    # (unsampled requests' blocking spans are reported once a second)
+    wait_for(lambda: len([m for m in warnings() if "/twice" in m]) >= 3,
+             what="3 blocking warnings")
+    settle(1.2)
+    warnings = warnings()
+    blocking = [m for m in warnings if "/twice" in m]
+    assert len(blocking) == 3, warnings
+    defer = [m for m in warnings if "wrapped in another" in m]
+    assert len(defer) == 1, warnings
+
+
+def test_find_middleware_sees_through_the_carrier():
+    from greqprof import ProfilingMiddleware
+    from greqprof.middleware import find_middleware
+    mw = ProfilingMiddleware(_blocking_app, pct=0.0)
+    assert find_middleware(mw) is mw
+    assert find_middleware(_FlaskLike(mw)) is mw
+    assert find_middleware(_FlaskLike(_FlaskLike(mw).__call__)) is mw
+    assert find_middleware(_blocking_app) is None
+    assert find_middleware(_FlaskLike(_blocking_app)) is None
+
+
+def test_gunicorn_hook_does_not_wrap_an_already_wrapped_app():
+    """examples/gunicorn.conf.py's post_worker_init keeps an app that
+    carries a middleware (Flask's idiom) as it is."""
+    import importlib.util
+    import logging
+    import types
+    from greqprof import ProfilingMiddleware
+    spec = importlib.util.spec_from_file_location(
+        "_gconf", os.path.join(ROOT, "examples", "gunicorn.conf.py"))
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    mw = ProfilingMiddleware(_blocking_app, pct=0.0)
+    flask_like = _FlaskLike(mw)
+    worker = types.SimpleNamespace(wsgi=flask_like, pid=os.getpid(),
+                                   log=logging.getLogger("test"))
+    conf.post_worker_init(worker)
+    assert worker.wsgi is flask_like and worker.greqprof is mw
+    plain = types.SimpleNamespace(wsgi=_blocking_app, pid=os.getpid(),
+                                  log=logging.getLogger("test"))
+    conf.post_worker_init(plain)
+    assert isinstance(plain.wsgi, ProfilingMiddleware)
+    assert plain.greqprof is plain.wsgi
+
+
+def test_serve_does_not_wrap_an_already_wrapped_app(tmp_path):
+    import re
+    import signal
+    import urllib.request
+    (tmp_path / "wrapped_app.py").write_text(textwrap.dedent('''
+        from greqprof import ProfilingMiddleware
+        def plain(environ, start_response):
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"hello"]
+        class App:
+            def __init__(self):
+                self.wsgi_app = ProfilingMiddleware(plain, pct=1.0,
+                                                    report=False)
+            def __call__(self, environ, start_response):
+                return self.wsgi_app(environ, start_response)
+        app = App()
+    '''))
+    out = tmp_path / "profiles"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with open(str(tmp_path / "stderr.txt"), "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "greqprof", "serve", "wrapped_app:app",
+             "--port", "0", "--quiet", "--profile-dir", str(out)],
+            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err, env=env)
+    try:
+        line = proc.stdout.readline().decode()
+        url = re.search(r"on (http://\S+)", line).group(1)
+        with urllib.request.urlopen(url + "/x", timeout=10) as r:
+            assert r.read() == b"hello"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert "already wrapped" in err
+    # the module's middleware (no profile_dir) profiles, not a second one
+    assert not out.exists() or not os.listdir(str(out))

@@ -1031,6 +1031,7 @@ def test_sink_failure_is_contained(serve, caplog):
 STABLE_KEYS = {
     "schema", "method", "path", "status", "start", "end", "wall", "cpu",
     "clock", "sampled_by", "request_id", "pid", "hostname", "error",
+    "notes", "truncated",
     "dropped_spans", "dropped_calls", "spans", "longest_span", "waiting",
     "greenlets", "blocking", "calls"}
 SPAN_KEYS = {"greenlet_id", "greenlet_name", "fn_name", "start", "end",
