@@ -841,24 +841,29 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
         goto fail_armed;
     }
     gqp_profile *p = ((gqp_profref *)req->profile)->p;
+    /* The CPU window narrows before the attach, whose reading of the CPU
+     * clock opens the profile's first span: that reading is then fresh
+     * (at most one narrow window old), not an estimate made while the
+     * thread may have been off CPU for up to the idle window. */
+    profile_window(st, 1);
     int64_t gid = attach_greenlet(st, g, p);
     if (gid <= 0) {
         if (gid == 0) {
             attach_greenlet(st, g, NULL);
         }
-        goto fail_armed;
+        goto fail_window;
     }
     req->gid = PyLong_FromLongLong(gid);
     req->addr = PyLong_FromVoidPtr(p);
     if (!req->gid || !req->addr ||
         PyDict_SetItem(requests, req->gid, (PyObject *)req) < 0) {
         attach_greenlet(st, g, NULL);
-        goto fail_armed;
+        goto fail_window;
     }
     if (PyDict_SetItem(by_addr, req->addr, (PyObject *)req) < 0) {
         attach_greenlet(st, g, NULL);
         PyDict_DelItem(requests, req->gid);
-        goto fail_armed;
+        goto fail_window;
     }
     Py_DECREF(requests);
     Py_DECREF(by_addr);
@@ -871,9 +876,10 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
     req->observed = Py_NewRef(Py_None);
     req->end_ns = Py_NewRef(Py_None);
     self->open++;
-    profile_window(st, 1);
     count_stat(self, str_sampled);
     return req;
+fail_window:
+    profile_window(st, -1);
 fail_armed:
     Py_DECREF(eng);
     Py_DECREF(requests);

@@ -381,10 +381,16 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if sampled_by is not None:
             try:
                 rp = RequestRawProfile.for_request(cfg.max_spans)
-                req.gid = eng.tracer.attach_id(g, rp.addr)
+                # (the CPU window narrows before the attach reads the CPU
+                # clock for the profile's first span: a fresh reading)
+                eng.profile_opened()
+                try:
+                    req.gid = eng.tracer.attach_id(g, rp.addr)
+                except Exception:
+                    eng.profile_closed()
+                    raise
                 req.profile = rp
                 req.addr = rp.addr
-                eng.profile_opened()
                 try:
                     if cfg.calls:
                         eng.acquire_calls()

@@ -346,3 +346,72 @@ def test_serve_does_not_wrap_an_already_wrapped_app(tmp_path):
     assert "already wrapped" in err
     # the module's middleware (no profile_dir) profiles, not a second one
     assert not out.exists() or not os.listdir(str(out))
+
+
+# ---------------------------------------------------------------------------
+# 1. CPU at open
+
+def _burn_cpu(seconds):
+    import time
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _OffCpuBefore:
+    """An outer layer that keeps the thread off CPU just before the request
+    begins (a real time.sleep: the loop is not monkey-patched), then
+    measures the thread's CPU time from the call of the middleware to the
+    close() of its body (which ends the request's last span; delivering
+    the profile comes after it): the truth the profile's cpu is compared
+    with."""
+
+    def __init__(self, app, truths):
+        self.app = app
+        self.truths = truths
+
+    def __call__(self, environ, start_response):
+        import time
+        time.sleep(0.004)
+        t0 = time.thread_time()
+        body = self.app(environ, start_response)
+        truths = self.truths
+
+        class Body:
+            def __iter__(self):
+                return iter(body)
+
+            def close(self):
+                truths[environ["PATH_INFO"]] = time.thread_time() - t0
+                body.close()
+        return Body()
+
+
+def _cpu_app(environ, start_response):
+    _burn_cpu(0.002)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+@pytest.mark.parametrize("calls", [False, True])
+def test_cpu_of_a_request_begun_after_the_thread_was_off_cpu(serve, calls):
+    """The thread sleeps 4 ms right before each request: the request's CPU
+    time still matches time.thread_time() (the estimator's reading is
+    fresh when the profile opens), not 4 ms too low."""
+    truths = {}
+    s = serve(_cpu_app, wrap=lambda mw: _OffCpuBefore(mw, truths), pct=1.0,
+              calls=calls, blocking_ms=None, linger=0)
+    n = 12
+    assert s.get("/warm-up").status == 200   # (the engine is set up)
+    for i in range(n):
+        assert s.get("/cpu%d" % i).status == 200
+    s.wait_profiles(n + 1)
+    errors = []
+    for p in s.profiles[1:]:
+        truth = truths[p.path]
+        # (either side holds a little of greqprof's own work around the
+        # profile's edges: tens of microseconds)
+        if not abs(truth - p.cpu) <= 0.0005:
+            errors.append((p.path, round(truth * 1e3, 3),
+                           round(p.cpu * 1e3, 3)))
+    assert not errors, "path, truth ms, profile cpu ms: %r" % errors
