@@ -403,7 +403,11 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     /* Later spans of this greenlet (the next keep-alive request) are not
      * this request's; greenlets it spawned still are. */
     gqp_profile *p = ((gqp_profref *)req->profile)->p;
-    attach_greenlet(st, req->greenlet, NULL);
+    if (!is_dead(req->greenlet)) {
+        /* (a dead greenlet's spans are over: attaching it would make
+         * the tracer a new entry for it) */
+        attach_greenlet(st, req->greenlet, NULL);
+    }
     if (!mw->linger) {
         /* (_finalize drains the long spans first) */
         PyObject *args[] = {(PyObject *)mw, eng, (PyObject *)req};
@@ -577,8 +581,27 @@ static int body_clear(gqp_body *self)
     return 0;
 }
 
+/* The body is collected: a server (or a buffering middleware) that drops
+ * it without close() still ends the request, so its open-profile slot
+ * comes back. */
+static void body_finalize(gqp_body *self)
+{
+    if (!self->mw || !self->req || self->req->done == Py_True) {
+        return;
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (req_finish_quiet(self->mw, self->req) < 0) {
+        PyErr_Clear();   /* (nobody to pass a BaseException on to) */
+    }
+    PyErr_Restore(type, value, tb);
+}
+
 static void body_dealloc(gqp_body *self)
 {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) {
+        return;   /* resurrected by the finalizer */
+    }
     PyObject_GC_UnTrack(self);
     body_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -667,6 +690,7 @@ static PyTypeObject gqp_iterbody_type = {
     .tp_iter = body_iter_self,
     .tp_iternext = (iternextfunc)body_iternext,
     .tp_methods = body_methods,
+    .tp_finalize = (destructor)body_finalize,
 };
 
 /* A list or tuple body: sized like the app's (servers use len() for
@@ -684,6 +708,7 @@ static PyTypeObject gqp_seqbody_type = {
     .tp_iter = (getiterfunc)seq_iter,
     .tp_as_sequence = &seq_as_sequence,
     .tp_methods = body_methods,
+    .tp_finalize = (destructor)body_finalize,
 };
 
 static gqp_body *body_new(PyTypeObject *type, PyObject *result, gqp_mw *mw,

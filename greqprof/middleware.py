@@ -501,9 +501,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             eng = engine_for_thread(self.config)
             req.end_ns = _lowlevel.wall_ns()
             g = req.greenlet
-            if req.profile is not None:
+            if req.profile is not None and not g.dead:
                 # Later spans of this greenlet (the next keep-alive request)
                 # are not this request's; greenlets it spawned still are.
+                # (A dead one, whose body was collected later, has none.)
                 eng.tracer.attach_id(g, 0)
             elif self.config.blocking_ns and req.gid is not None:
                 # Close a long-running span now so it is reported with this

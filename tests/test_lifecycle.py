@@ -415,3 +415,48 @@ def test_cpu_of_a_request_begun_after_the_thread_was_off_cpu(serve, calls):
             errors.append((p.path, round(truth * 1e3, 3),
                            round(p.cpu * 1e3, 3)))
     assert not errors, "path, truth ms, profile cpu ms: %r" % errors
+
+
+# ---------------------------------------------------------------------------
+# 2. a body collected without close()
+
+class _Buffering:
+    """A buffering middleware that never calls the body's close()."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def __call__(self, environ, start_response):
+        body = self.app(environ, start_response)
+        data = b"".join(body)
+        del body   # dropped without close()
+        return [data]
+
+
+def _gen_app(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+
+    def gen():
+        yield b"o"
+        yield b"k"
+    return gen()
+
+
+@pytest.mark.parametrize("app", [_gen_app, _cpu_app])
+@pytest.mark.parametrize("calls", [False, True])
+def test_a_body_collected_without_close_finishes_its_request(serve, app,
+                                                              calls):
+    """With max_open=2, six requests whose bodies are dropped without
+    close(): all six are profiled and delivered, and no slot stays held."""
+    s = serve(app, wrap=_Buffering, pct=1.0, max_open=2, calls=calls)
+    for i in range(6):
+        r = s.get("/dropped%d" % i)
+        assert r.status == 200 and r.body == b"ok"
+        # (a finished profile is finalized soon, not at once: each waits
+        # for its slot back, which before the fix never came)
+        wait_for(lambda: s.mw._open == 0, what="slot back after %d" % i)
+    s.wait_profiles(6)
+    assert sorted(p.path for p in s.profiles) == [
+        "/dropped%d" % i for i in range(6)]
+    wait_for(lambda: s.mw._open == 0, what="every slot back")
+    assert s.mw.stats["skipped_full"] == 0
