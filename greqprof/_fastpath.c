@@ -23,6 +23,8 @@
  * found through live objects: nothing is kept per greenlet for that. */
 
 #define GQP_NOTES 1024           /* a power of two */
+#define GQP_TRIGGER_SLOTS 8      /* profiles of trigger requests, besides
+                                    max_open (middleware.TRIGGER_SLOTS) */
 #define GQP_NOTE_MAX_METHOD 32
 #define GQP_NOTE_MAX_PATH 2048
 #define GQP_NOTE_MAX_RID 200
@@ -242,6 +244,7 @@ typedef struct {
     int linger;              /* linger > 0: the finisher finalizes */
     long long linger_ns;
     int max_open, open;      /* sampled profiles open at once: cap, count */
+    int trigger_open;        /* those of trigger requests (own reserve) */
     size_t max_spans;
     PyTypeObject *profile_type;   /* _lowlevel.RequestRawProfile */
     PyObject *clock, *hostname;   /* fields of every RequestProfile */
@@ -258,8 +261,10 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
                               PyObject *environ, PyObject *start_response);
 static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
-static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused);
-static PyObject *mw_open_release(gqp_mw *self, PyObject *unused);
+static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs);
+static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs);
 static PyObject *mw_get_open(gqp_mw *self, void *closure);
 static int mw_set_open(gqp_mw *self, PyObject *value, void *closure);
 static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
@@ -734,9 +739,11 @@ static PyMethodDef mw_methods[] = {
      METH_FASTCALL, "Sets what _finalize puts in profiles (internal)."},
     {"_set_linger", (PyCFunction)mw_set_linger, METH_O,
      "Sets the linger of sampled requests, in seconds (internal)."},
-    {"_open_acquire", (PyCFunction)mw_open_acquire, METH_NOARGS,
+    {"_open_acquire", (PyCFunction)(void (*)(void))mw_open_acquire,
+     METH_FASTCALL,
      "Counts one more open profile if max_open allows (internal)."},
-    {"_open_release", (PyCFunction)mw_open_release, METH_NOARGS,
+    {"_open_release", (PyCFunction)(void (*)(void))mw_open_release,
+     METH_FASTCALL,
      "Counts one open profile fewer (internal)."},
     {NULL, NULL, 0, NULL},
 };

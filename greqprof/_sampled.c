@@ -329,6 +329,9 @@ static void forget_request_of(PyObject *requests, PyObject *prev)
     }
 }
 
+static void open_release(gqp_mw *self, int trigger);
+static int is_trigger(gqp_req *req);
+
 /* req.error = "Type: message" of the exception being raised, unless
  * keep_first and an error is already recorded.  The exception stays set. */
 static void req_note_error(gqp_req *req, int keep_first)
@@ -1170,9 +1173,7 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
         gqp_profile_close(prof->p);
     }
     profile_window(st, -1);
-    if (self->open > 0) {
-        self->open--;
-    }
+    open_release(self, is_trigger(req));
     int ok = 1;
     if (!stop) {
         PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
@@ -1350,10 +1351,24 @@ static PyObject *set_spawn_profile_py(PyObject *self, PyObject *const *args,
 
 /* ---- the middleware's counters of open profiles ------------------------- */
 
-/* _open_acquire(): one more sampled profile open, if max_open allows. */
-static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused)
+/* _open_acquire(trigger=False): one more sampled profile open, if
+ * max_open allows; a trigger-header request takes one of its own reserve
+ * of GQP_TRIGGER_SLOTS instead, so ordinary sampling holding every slot
+ * (long streams) never refuses it. */
+static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
 {
-    (void)unused;
+    int trigger = nargs > 0 ? PyObject_IsTrue(args[0]) : 0;
+    if (trigger < 0) {
+        return NULL;
+    }
+    if (trigger) {
+        if (self->trigger_open >= GQP_TRIGGER_SLOTS) {
+            Py_RETURN_FALSE;
+        }
+        self->trigger_open++;
+        Py_RETURN_TRUE;
+    }
     if (self->open >= self->max_open) {
         Py_RETURN_FALSE;
     }
@@ -1361,19 +1376,39 @@ static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused)
     Py_RETURN_TRUE;
 }
 
-static PyObject *mw_open_release(gqp_mw *self, PyObject *unused)
+/* The slot of req (sampled by the trigger header or not) comes back. */
+static void open_release(gqp_mw *self, int trigger)
 {
-    (void)unused;
-    if (self->open > 0) {
+    if (trigger && self->trigger_open > 0) {
+        self->trigger_open--;
+    } else if (!trigger && self->open > 0) {
         self->open--;
     }
+}
+
+static int is_trigger(gqp_req *req)
+{
+    return req->sampled_by && req->sampled_by != str_pct &&
+           PyUnicode_Check(req->sampled_by) &&
+           PyUnicode_CompareWithASCIIString(req->sampled_by, "trigger") == 0;
+}
+
+/* _open_release(trigger=False) */
+static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
+{
+    int trigger = nargs > 0 ? PyObject_IsTrue(args[0]) : 0;
+    if (trigger < 0) {
+        return NULL;
+    }
+    open_release(self, trigger);
     Py_RETURN_NONE;
 }
 
 static PyObject *mw_get_open(gqp_mw *self, void *closure)
 {
     (void)closure;
-    return PyLong_FromLong(self->open);
+    return PyLong_FromLong(self->open + self->trigger_open);
 }
 
 static int mw_set_open(gqp_mw *self, PyObject *value, void *closure)
@@ -1388,6 +1423,7 @@ static int mw_set_open(gqp_mw *self, PyObject *value, void *closure)
         return -1;
     }
     self->open = (int)v;
+    self->trigger_open = 0;
     return 0;
 }
 

@@ -116,7 +116,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         ``trigger_secret`` (compared in constant time), profiles that one
         request regardless of ``pct``.  Off unless both are given.
     :param max_open: sampled profiles open at once; beyond it requests are
-        not sampled (counted in ``stats['skipped_full']``).
+        not sampled (counted in ``stats['skipped_full']``).  Trigger-header
+        requests have 8 slots of their own besides, so ordinary sampling
+        (long streams) never takes theirs.
     :param report: log the text/JSON report of sampled requests.
     :param watchdog: run a watchdog thread that captures what a blocking
         greenlet is running while it holds the loop.
@@ -373,7 +375,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req.engine = eng
         if eng.lingering:
             self._stop_lingering(eng, g)
-        if sampled_by is not None and not self._open_acquire():
+        if sampled_by is not None and \
+                not self._open_acquire(sampled_by == "trigger"):
             self.stats["skipped_full"] += 1
             sampled_by = req.sampled_by = None
         req.start_ns = _lowlevel.wall_ns()
@@ -399,7 +402,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                     raise
                 self.stats["sampled"] += 1
             except Exception as e:
-                self._open_release()
+                self._open_release(sampled_by == "trigger")
                 req.profile = req.addr = None
                 req.sampled_by = None
                 self._internal_error("open profile", e)
@@ -427,7 +430,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             eng.tracer.attach_id(req.greenlet, 0)
             req.profile.close()
             eng.profile_closed()
-            self._open_release()
+            self._open_release(req.sampled_by == "trigger")
             if self.config.calls:
                 eng.release_calls()
         _forget(eng, req)
@@ -584,7 +587,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                     eng.tracer.set_spawn_profile(req.greenlet, None)
             req.profile.close()
             eng.profile_closed()
-            self._open_release()
+            self._open_release(req.sampled_by == "trigger")
             if self.config.calls:
                 eng.release_calls()
             # Drain while the request is still registered, so its blocking

@@ -460,3 +460,51 @@ def test_a_body_collected_without_close_finishes_its_request(serve, app,
         "/dropped%d" % i for i in range(6)]
     wait_for(lambda: s.mw._open == 0, what="every slot back")
     assert s.mw.stats["skipped_full"] == 0
+
+
+# ---------------------------------------------------------------------------
+# 3b. trigger requests have slots of their own
+
+SECRET = "s3cr3t-Tr1gger-value"
+
+
+def test_trigger_request_profiled_while_streams_hold_every_slot(serve):
+    """max_open=2 slots held by two long streams: an ordinary request is
+    not sampled (skipped_full), a trigger-header request still is."""
+    import gevent
+    import gevent.event
+    from test_middleware import connect, request_bytes, read_until
+    release = gevent.event.Event()
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        if environ["PATH_INFO"].startswith("/stream"):
+            def gen():
+                yield b"first"
+                release.wait()
+                yield b"last"
+            return gen()
+        return [b"ok"]
+
+    s = serve(app, pct=1.0, max_open=2, trigger_header="X-Greqprof-Trigger",
+              trigger_secret=SECRET)
+    socks = []
+    for i in range(2):
+        sock = connect(s.port)
+        sock.sendall(request_bytes("/stream%d" % i))
+        read_until(sock, b"", b"first")
+        socks.append(sock)
+    assert s.mw._open == 2
+    assert s.get("/ordinary").status == 200
+    assert s.get("/triggered", headers=[("X-Greqprof-Trigger",
+                                         SECRET)]).status == 200
+    p = s.profile_for("/triggered")
+    assert p.sampled_by == "trigger"
+    assert s.mw.stats["skipped_full"] == 1
+    release.set()
+    for sock in socks:
+        sock.close()
+    s.wait_profiles(3)
+    wait_for(lambda: s.mw._open == 0, what="every slot back")
+    assert sorted(p.path for p in s.profiles) == [
+        "/stream0", "/stream1", "/triggered"]
