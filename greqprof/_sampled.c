@@ -208,7 +208,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *greenlet, *gid, *profile, *addr, *method, *path, *status,
         *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
-        *blocking, *observed, *generation, *engine, *notes, *truncated;
+        *blocking, *observed, *generation, *engine, *notes, *truncated,
+        *owner;
     PyObject *weakrefs;
     char finalizing;   /* set when a _finalize takes the request on */
 } gqp_req;
@@ -236,6 +237,7 @@ static PyMemberDef req_members[] = {
     REQ_FIELD(engine, "The engine of the thread it began in."),
     REQ_FIELD(notes, "The app's notes (current_profile().note), or None."),
     REQ_FIELD(truncated, "True when closed by max_lifetime."),
+    REQ_FIELD(owner, "The middleware that profiles it."),
     {"finalizing", T_BOOL, offsetof(gqp_req, finalizing), READONLY,
      "True once a _finalize took it on (it is finalized once)."},
     {NULL, 0, 0, 0, NULL},
@@ -262,6 +264,7 @@ static int req_traverse(gqp_req *self, visitproc visit, void *arg)
     Py_VISIT(self->engine);
     Py_VISIT(self->notes);
     Py_VISIT(self->truncated);
+    Py_VISIT(self->owner);
     return 0;
 }
 
@@ -286,6 +289,7 @@ static int req_clear(gqp_req *self)
     Py_CLEAR(self->engine);
     Py_CLEAR(self->notes);
     Py_CLEAR(self->truncated);
+    Py_CLEAR(self->owner);
     return 0;
 }
 
@@ -897,6 +901,7 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
     Py_DECREF(by_addr);
     req->greenlet = Py_NewRef(g);
     req->engine = eng;
+    req->owner = Py_NewRef((PyObject *)self);
     req->sampled_by = Py_NewRef(str_pct);
     req->status = Py_NewRef(Py_None);
     req->error = Py_NewRef(Py_None);

@@ -89,6 +89,8 @@ class Engine:
         # profile address -> (method, path, request_id) of sampled requests
         self.profile_requests = {}
         self.drain_started = False
+        # the greenlet closing profiles open longer than max_lifetime
+        self.reaper_started = False
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
         # sampled requests waiting for their greenlets, and the greenlet

@@ -122,6 +122,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     :param report: log the text/JSON report of sampled requests.
     :param watchdog: run a watchdog thread that captures what a blocking
         greenlet is running while it holds the loop.
+    :param max_lifetime: seconds a sampled request's profile may stay
+        open (default 60): a longer request (a stream, a long poll) has its
+        profile closed and delivered then, with ``truncated=True``, and
+        its slot freed.
     :param linger: after the response ends, wait up to this many seconds
         for greenlets the request spawned (joined or not) before the
         profile is closed and reported; 0 reports at once (greenlets not
@@ -144,7 +148,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  max_open=64, report=True, watchdog=True, linger=UNSET,
                  profile_dir=UNSET, formats=UNSET, ui_path=None, ui_allow=None,
                  ui_token=None, ui_keep=50, otel=UNSET, otel_spans=UNSET,
-                 observers=(), environ=None):
+                 observers=(), environ=None, max_lifetime=60.0):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -175,6 +179,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 self.observers.append(
                     OtelObserver(child_spans=opts["otel_spans"]))
             self.linger = linger
+            self.max_lifetime = max_lifetime
             self.config = _Config(pct, calls, clock, blocking_ms, max_spans,
                                   stacks, watchdog, max_open)
             if sink is not None and not callable(sink):
@@ -232,6 +237,24 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             configure()
         except ConfigError as e:
             raise config.name_source(e, sources) from None
+
+    @property
+    def max_lifetime(self):
+        """Seconds a sampled request's profile may stay open: past it, the
+        profile is closed, delivered with ``truncated=True`` and its slot
+        freed, though the request goes on (a long stream, a long poll)."""
+        return self._max_lifetime
+
+    @max_lifetime.setter
+    def max_lifetime(self, seconds):
+        if isinstance(seconds, bool) or \
+                not isinstance(seconds, (int, float)) or \
+                not math.isfinite(seconds) or not 0 < seconds <= 1e6:
+            raise ConfigError("max_lifetime must be a number of seconds "
+                              "from 0 (excluded) to 1e6, got %r"
+                              % (seconds,))
+        self._max_lifetime = float(seconds)
+        self._max_lifetime_ns = int(seconds * 1e9)
 
     @property
     def linger(self):
@@ -373,6 +396,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req.observed = None
         req.sampled_by = sampled_by
         req.engine = eng
+        req.owner = self
         if eng.lingering:
             self._stop_lingering(eng, g)
         if sampled_by is not None and \
@@ -481,6 +505,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._engine = eng
         if self.config.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
+        if not eng.reaper_started:
+            self._start_reaper(eng)
         self._arm(eng.tracer.hooks_addr, eng, _engine.fork_generation())
 
     def _notify(self, observer, event, *args):
@@ -626,6 +652,32 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 self._drain_blocking(eng)
             except Exception as e:
                 self._internal_error("drain", e)
+
+    def _start_reaper(self, eng):
+        eng.reaper_started = True
+        try:
+            import gevent
+            # Spawned from the hub so it belongs to no request.
+            gevent.get_hub().loop.run_callback(gevent.spawn, _reaper_loop,
+                                               eng)
+        except Exception as e:
+            self._internal_error("reaper", e)
+
+    def _truncate(self, eng, req, now):
+        """req's profile has been open longer than max_lifetime: closed
+        and delivered now, marked truncated; the request goes on
+        unprofiled (its end finds it done)."""
+        req.truncated = True
+        req.done = True
+        req.end_ns = now
+        g = req.greenlet
+        try:
+            if not g.dead:
+                eng.tracer.attach_id(g, 0)
+            if eng.lingering.get(id(g)) is req:
+                del eng.lingering[id(g)]
+        finally:
+            self._finalize(eng, req)
 
     def _start_drain_loop(self, eng):
         eng.drain_started = True
@@ -946,6 +998,29 @@ def _finish_pending_forever(eng):
         eng.finisher_woken = False
         eng.finisher_wake.clear()
         eng.finisher_wake.wait()
+
+
+def _reaper_loop(eng):
+    """Closes, in the engine's thread, the profiles open longer than
+    their middleware's max_lifetime (checked a few times per lifetime, at
+    least once a second)."""
+    import gevent
+    while not eng.abandoned:
+        lifetimes = [mw._max_lifetime for mw in list(eng.middlewares)]
+        gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]))
+        if eng.abandoned or not eng.profile_requests:
+            continue
+        now = _lowlevel.wall_ns()
+        for req in list(eng.profile_requests.values()):
+            mw = req.owner
+            if mw is None or req.done or req.greenlet is None or \
+                    req.finalizing or \
+                    now - req.start_ns < mw._max_lifetime_ns:
+                continue
+            try:
+                mw._truncate(eng, req, now)
+            except Exception as e:
+                mw._internal_error("max_lifetime", e)
 
 
 class _UnsampledRequest:

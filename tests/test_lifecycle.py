@@ -508,3 +508,53 @@ def test_trigger_request_profiled_while_streams_hold_every_slot(serve):
     wait_for(lambda: s.mw._open == 0, what="every slot back")
     assert sorted(p.path for p in s.profiles) == [
         "/stream0", "/stream1", "/triggered"]
+
+
+# ---------------------------------------------------------------------------
+# 3. a maximum lifetime for an open profile
+
+@pytest.mark.parametrize("calls", [False, True])
+def test_a_profile_open_past_max_lifetime_is_delivered_truncated(serve,
+                                                                 calls):
+    """A stream that outlives max_lifetime: its profile is delivered once,
+    truncated, while the stream goes on, and its slot serves the next
+    request; the stream's end delivers nothing more."""
+    import gevent.event
+    from test_middleware import connect, request_bytes, read_until, read_all
+    release = gevent.event.Event()
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        if environ["PATH_INFO"] == "/stream":
+            def gen():
+                yield b"first"
+                release.wait()
+                yield b"last"
+            return gen()
+        return [b"ok"]
+
+    s = serve(app, pct=1.0, max_open=1, max_lifetime=0.4, calls=calls)
+    sock = connect(s.port)
+    sock.sendall(request_bytes("/stream"))
+    read_until(sock, b"", b"first")
+    p = s.profile_for("/stream")
+    assert p.truncated is True and p.spans
+    assert p.to_dict()["truncated"] is True
+    assert s.mw._open == 0
+    assert s.get("/next").status == 200
+    s.profile_for("/next")
+    release.set()
+    assert b"last" in read_all(sock)   # the stream itself went on
+    sock.close()
+    settle(0.5)
+    assert sorted(p.path for p in s.profiles) == ["/next", "/stream"]
+    assert [p.truncated for p in s.profiles if p.path == "/next"] == [False]
+    assert s.mw._open == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "60",
+                                 True, 1e7])
+def test_max_lifetime_is_validated(bad):
+    from greqprof import ConfigError, ProfilingMiddleware
+    with pytest.raises(ConfigError, match="max_lifetime"):
+        ProfilingMiddleware(_cpu_app, max_lifetime=bad)
