@@ -106,6 +106,94 @@ static void notes_free(gqp_py_thread *st)
     }
 }
 
+/* ---- the function a greenlet runs ---------------------------------------
+ * A blocking span that ends with its greenlet (a child that blocked, then
+ * returned) is reported after gevent dropped the Greenlet's _run, so its
+ * function could no longer be named.  The function (not a bound method:
+ * that would keep its object alive) of every new greenlet of a
+ * middleware's thread is kept here until the greenlet dies: GQP_RUNS
+ * slots by greenlet address, a collision replaces the older entry. */
+
+#define GQP_RUNS 1024            /* a power of two */
+
+typedef struct gqp_run {
+    gqp_py_thread *st;
+    uint64_t key;
+    PyObject *fn;                /* a Python function, or NULL */
+} gqp_run;
+
+static gqp_run gqp_runs[GQP_RUNS];
+
+static gqp_run *run_slot(uint64_t key)
+{
+    return &gqp_runs[(key >> 4 ^ key >> 14) & (GQP_RUNS - 1)];
+}
+
+static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key)
+{
+    PyObject **dictptr = _PyObject_GetDictPtr(g);
+    if (!dictptr || !*dictptr || !PyDict_Check(*dictptr)) {
+        return;
+    }
+    PyObject *run = PyDict_GetItemWithError(*dictptr, run_str);
+    PyErr_Clear();
+    PyObject *fn = run && PyMethod_Check(run) ? PyMethod_GET_FUNCTION(run)
+                                              : run;
+    if (!fn || !PyFunction_Check(fn)) {
+        return;
+    }
+    gqp_run *r = run_slot(key);
+    PyObject *old = r->fn;
+    r->st = st;
+    r->key = key;
+    r->fn = Py_NewRef(fn);
+    Py_XDECREF(old);   /* (last: a deallocation may run code) */
+}
+
+static void run_forget(gqp_py_thread *st, uint64_t key)
+{
+    gqp_run *r = run_slot(key);
+    if (r->fn && r->st == st && r->key == key) {
+        PyObject *old = r->fn;
+        r->fn = NULL;
+        r->st = NULL;
+        r->key = 0;
+        Py_DECREF(old);
+    }
+}
+
+/* (name, fn_name) for a dead greenlet whose names lack the function,
+ * with the function kept from its start; a new reference, or NULL. */
+static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names)
+{
+    gqp_run *r = run_slot(key);
+    if (!r->fn || r->st != st || r->key != key) {
+        return NULL;
+    }
+    PyObject *name = NULL;
+    if (names && PyTuple_Check(names) && PyTuple_GET_SIZE(names) == 2) {
+        PyObject *fn = PyTuple_GET_ITEM(names, 1);
+        if (fn && PyUnicode_Check(fn) && PyUnicode_GET_LENGTH(fn) > 0) {
+            return NULL;   /* (named already) */
+        }
+        /* (held: naming the function runs code, which may drop names) */
+        name = Py_NewRef(PyTuple_GET_ITEM(names, 0));
+    }
+    PyObject *fn = Py_NewRef(r->fn);
+    PyObject *fn_name = run_name(fn);
+    Py_DECREF(fn);
+    if (!fn_name) {
+        Py_XDECREF(name);
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *res = PyTuple_Pack(2, name ? name : Py_None, fn_name);
+    Py_XDECREF(name);
+    Py_DECREF(fn_name);
+    PyErr_Clear();
+    return res;
+}
+
 static PyObject *or_none(PyObject *v)
 {
     return v ? v : Py_None;   /* borrowed */

@@ -488,6 +488,12 @@ static uint32_t store_stack(PyObject *text)
 }
 
 /* A span closed long: keep where its greenlet was and queue a record. */
+/* _fastpath.c: the function each live greenlet runs, kept from its start
+ * (gevent drops a Greenlet's _run before its last switch). */
+static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key);
+static void run_forget(gqp_py_thread *st, uint64_t key);
+static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names);
+
 static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
 {
     if (st->inherit && st->hub_key == (uint64_t)(uintptr_t)origin) {
@@ -538,6 +544,9 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     PyObject *names = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
     Py_XDECREF(key);
     PyErr_Clear();
+    /* A dead greenlet's function, from its start (a new reference). */
+    PyObject *fixed = dead ? run_names(st, (uint64_t)(uintptr_t)origin,
+                                       names) : NULL;
     PyObject *rec = Py_BuildValue(
         "(kKLLLIIKKNNO)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
@@ -546,7 +555,8 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
         (unsigned long long)(uintptr_t)origin,
         note ? note : Py_NewRef(Py_None),
         chain ? chain : PyTuple_New(0),
-        names ? names : Py_None);
+        fixed ? fixed : names ? names : Py_None);
+    Py_XDECREF(fixed);
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
@@ -593,6 +603,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
             }
         }
         Py_XDECREF(ref);
+        run_remember(st, target, key);
         if (!st->hub_key && is_hub(target)) {
             st->hub_key = key;
             /* (told once, from this thread: the watchdog reads ids, never
@@ -691,6 +702,7 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             /* (after on_long_span: the dying greenlet's last span still
              * takes its note) */
             note_forget(st, dead_id);
+            run_forget(st, (uint64_t)(uintptr_t)origin);
         }
     }
     if (st && st->prev_trace) {

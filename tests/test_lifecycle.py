@@ -558,3 +558,43 @@ def test_max_lifetime_is_validated(bad):
     from greqprof import ConfigError, ProfilingMiddleware
     with pytest.raises(ConfigError, match="max_lifetime"):
         ProfilingMiddleware(_cpu_app, max_lifetime=bad)
+
+
+# ---------------------------------------------------------------------------
+# 8. blocking warnings of unsampled requests name a child's function
+
+def _blocker_child():
+    import time
+    time.sleep(0.08)   # holds the loop, then the greenlet ends
+
+
+@pytest.mark.parametrize("pct", [0.0, 1.0])
+def test_blocking_child_greenlet_keeps_its_function_name(serve, caplog, pct):
+    import json
+    import logging
+    import gevent
+    caplog.set_level(logging.INFO, logger="greqprof")
+
+    def app(environ, start_response):
+        gevent.spawn(_blocker_child).join()
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    s = serve(app, pct=pct, blocking_ms=50, json_logs=True)
+    assert s.get("/spawns").status == 200
+
+    def events():
+        out = []
+        for r in caplog.records:
+            if r.name == "greqprof" and r.levelno == logging.WARNING:
+                try:
+                    d = json.loads(r.getMessage())
+                except ValueError:
+                    continue
+                if d.get("schema") == "greqprof.blocking/1":
+                    out.append(d)
+        return out
+    evs = wait_for(events, what="the blocking warning")
+    assert len(evs) == 1, evs
+    assert evs[0]["fn_name"] == "test_lifecycle._blocker_child", evs[0]
+    assert evs[0]["path"] == "/spawns"
