@@ -43,18 +43,65 @@ static void note_clear(gqp_note *n)
     Py_CLEAR(n->rid);
 }
 
-/* str(v)[:max]: a new reference, or NULL with an exception set. */
+/* ---- clean text (greqprof/_text.py, docs: the clean-text contract) ----
+ * Text from the app, the environ or the interpreter is recorded printable:
+ * an ASCII str of 0x20..0x7e passes as it is (no Python call); anything
+ * else goes through greqprof._text.clean (looked up once). */
+
+static PyObject *clean_fn;
+
+/* clean(s): steals s, returns a new reference, or NULL with an exception
+ * set. */
+static PyObject *clean_text(PyObject *s)
+{
+    if (!s) {
+        return NULL;
+    }
+    if (PyUnicode_CheckExact(s) && PyUnicode_IS_ASCII(s)) {
+        const Py_UCS1 *d = PyUnicode_1BYTE_DATA(s);
+        Py_ssize_t n = PyUnicode_GET_LENGTH(s), i = 0;
+        while (i < n && d[i] >= 0x20 && d[i] <= 0x7e) {
+            i++;
+        }
+        if (i == n) {
+            return s;   /* the fast path */
+        }
+    }
+    if (!clean_fn) {
+        PyObject *mod = PyImport_ImportModule("greqprof._text");
+        clean_fn = mod ? PyObject_GetAttrString(mod, "clean") : NULL;
+        Py_XDECREF(mod);
+        if (!clean_fn) {
+            Py_DECREF(s);
+            return NULL;
+        }
+    }
+    PyObject *r = PyObject_CallOneArg(clean_fn, s);
+    Py_DECREF(s);
+    if (r && !PyUnicode_CheckExact(r)) {
+        Py_SETREF(r, NULL);
+        PyErr_SetString(PyExc_TypeError, "clean() did not return a str");
+    }
+    return r;
+}
+
+/* str(v)[:max], cleaned: a new reference, or NULL with an exception set.
+ * v is held meanwhile (its __str__ may remove it from where it was
+ * borrowed). */
 static PyObject *str_cut(PyObject *v, Py_ssize_t max)
 {
+    Py_INCREF(v);
     PyObject *s = PyUnicode_CheckExact(v) ? Py_NewRef(v) : PyObject_Str(v);
+    Py_DECREF(v);
     if (s && PyUnicode_GET_LENGTH(s) > max) {
         Py_SETREF(s, PyUnicode_Substring(s, 0, max));
     }
-    return s;
+    return clean_text(s);
 }
 
-/* v if it is a str (cut to max characters), else NULL; a new reference
- * (notes keep str only: str() of anything else could run code). */
+/* v if it is a str (cut to max characters, cleaned), else NULL; a new
+ * reference (notes keep str only: str() of anything else could run
+ * code). */
 static PyObject *note_str(PyObject *v, Py_ssize_t max)
 {
     if (!v || !PyUnicode_CheckExact(v)) {
@@ -66,7 +113,8 @@ static PyObject *note_str(PyObject *v, Py_ssize_t max)
 }
 
 /* Notes the request greenlet gid begins now (GIL held).  Out of memory:
- * nothing noted, the request just goes unnamed in a blocking report. */
+ * nothing noted, the request just goes unnamed in a blocking report.
+ * The arguments are the caller's references. */
 static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
                      PyObject *path, PyObject *rid)
 {
@@ -76,12 +124,16 @@ static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
     if (!st->notes && !(st->notes = calloc(GQP_NOTES, sizeof *st->notes))) {
         return;
     }
+    /* (made before the slot is touched: cleaning may run Python) */
+    PyObject *m = note_str(method, GQP_NOTE_MAX_METHOD);
+    PyObject *p = note_str(path, GQP_NOTE_MAX_PATH);
+    PyObject *r = note_str(rid, GQP_NOTE_MAX_RID);
     gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
     note_clear(n);
     n->gid = gid;
-    n->method = note_str(method, GQP_NOTE_MAX_METHOD);
-    n->path = note_str(path, GQP_NOTE_MAX_PATH);
-    n->rid = note_str(rid, GQP_NOTE_MAX_RID);
+    n->method = m;
+    n->path = p;
+    n->rid = r;
 }
 
 /* Greenlet gid died: its note goes (GIL held). */
@@ -421,6 +473,22 @@ static PyObject *call2(PyObject *fn, PyObject *a, PyObject *b)
     return PyObject_Vectorcall(fn, args, 2, NULL);
 }
 
+/* The app, called with a reference held: the app may replace
+ * middleware.app (the last reference) while it runs. */
+static PyObject *call_app(gqp_mw *self, PyObject *environ,
+                          PyObject *start_response)
+{
+    PyObject *app = self->app;
+    if (!app) {
+        PyErr_SetString(PyExc_RuntimeError, "ProfilingMiddleware has no app");
+        return NULL;
+    }
+    Py_INCREF(app);
+    PyObject *r = call2(app, environ, start_response);
+    Py_DECREF(app);
+    return r;
+}
+
 static PyObject *call_method2(PyObject *self, PyObject *name, PyObject *a,
                               PyObject *b)
 {
@@ -545,7 +613,7 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if (!self->enabled) {
-        return call2(self->app, environ, start_response);
+        return call_app(self, environ, start_response);
     }
     if (PyDict_CheckExact(environ)) {
         /* Wrapped twice (Flask's app.wsgi_app plus a server hook that
@@ -555,12 +623,14 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         if (outer && outer != (PyObject *)self) {
             if (!self->deferred) {
                 self->deferred = 1;
+                Py_INCREF(outer);   /* (logging runs Python) */
                 PyObject *r = PyObject_CallMethodOneArg(
                     (PyObject *)self, str_defer, outer);
+                Py_DECREF(outer);
                 Py_XDECREF(r);
                 PyErr_Clear();
             }
-            return call2(self->app, environ, start_response);
+            return call_app(self, environ, start_response);
         }
         if (!outer && (PyErr_Occurred() ||
                        PyDict_SetItem(environ, str_mark_key,
@@ -598,7 +668,7 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
             if (internal_error(self, str_begin) < 0) {   /* a raising rng */
                 return NULL;
             }
-            return call2(self->app, environ, start_response);
+            return call_app(self, environ, start_response);
         }
         sampled = x < self->pct;
         /* The rng ran Python (it may even have stopped this thread's
@@ -619,14 +689,24 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     if (st) {
         uint64_t gid = 0;
         if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
-            note_set(st, gid,
-                     PyDict_GetItemWithError(environ, str_method_key),
-                     PyDict_GetItemWithError(environ, str_path_key),
-                     PyDict_GetItemWithError(environ, str_rid_key));
+            /* Each value held: a later lookup may run Python (the __eq__
+             * of a key whose hash collides), which may remove an earlier
+             * one from environ. */
+            PyObject *m = PyDict_GetItemWithError(environ, str_method_key);
+            Py_XINCREF(m);
+            PyObject *p = PyDict_GetItemWithError(environ, str_path_key);
+            Py_XINCREF(p);
+            PyObject *r = PyDict_GetItemWithError(environ, str_rid_key);
+            Py_XINCREF(r);
+            PyErr_Clear();
+            note_set(st, gid, m, p, r);
+            Py_XDECREF(m);
+            Py_XDECREF(p);
+            Py_XDECREF(r);
             PyErr_Clear();
         }
     }
-    return call2(self->app, environ, start_response);
+    return call_app(self, environ, start_response);
 }
 
 /* _set_linger(seconds): how long finished sampled requests wait for the

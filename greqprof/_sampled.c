@@ -333,6 +333,9 @@ static void forget_request_of(PyObject *requests, PyObject *prev)
     }
 }
 
+#define GQP_MAX_ERROR 1000       /* characters of an error text kept */
+#define GQP_MAX_STATUS 200       /* characters of a status kept */
+
 static void open_release(gqp_mw *self, int trigger);
 static int is_trigger(gqp_req *req);
 
@@ -349,6 +352,14 @@ static void req_note_error(gqp_req *req, int keep_first)
     PyObject *name = value ? PyType_GetName(Py_TYPE(value)) : NULL;
     PyObject *msg = name ? PyUnicode_FromFormat("%U: %S", name, value) : NULL;
     Py_XDECREF(name);
+    if (!msg) {
+        PyErr_Clear();   /* (an unprintable message: the type alone) */
+        msg = value ? PyType_GetName(Py_TYPE(value)) : NULL;
+    }
+    if (msg && PyUnicode_GET_LENGTH(msg) > GQP_MAX_ERROR) {
+        Py_SETREF(msg, PyUnicode_Substring(msg, 0, GQP_MAX_ERROR));
+    }
+    msg = clean_text(msg);
     if (msg) {
         Py_XSETREF(req->error, msg);
     }
@@ -451,14 +462,17 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     }
     /* Python from here on (a logging handler may switch greenlets): mw's
      * armed state is not looked at again. */
+    PyObject *stop_t = NULL, *stop_v = NULL, *stop_tb = NULL;
     if (PyList_GET_SIZE(reg_long) > 0) {
         /* Blocking spans reported when the request ends, named after it
          * (it stays registered until it is finalized). */
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
                                                 str_drain_blocking, eng);
         if (!r && internal_error(mw, str_finish_where) < 0) {
-            Py_DECREF(eng);
-            return -1;   /* (queued: the finisher finalizes it) */
+            /* A BaseException (a handler that waited) goes on, once the
+             * finisher is woken: queued but never woken, the request
+             * would wait for the next one. */
+            PyErr_Fetch(&stop_t, &stop_v, &stop_tb);
         }
         Py_XDECREF(r);
     }
@@ -472,6 +486,11 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
         Py_XDECREF(r);
     }
     Py_DECREF(eng);
+    if (stop_t) {
+        PyErr_Clear();
+        PyErr_Restore(stop_t, stop_v, stop_tb);
+        return -1;
+    }
     return is_woken < 0 ? -1 : 0;
 }
 
@@ -539,13 +558,31 @@ static PyObject *startresp_call(gqp_startresp *self, PyObject *args,
                         "start_response(status, headers, exc_info=None)");
         return NULL;
     }
+    Py_INCREF(exc_info);   /* (cleaning the status may run Python) */
     if (self->req) {
-        Py_XSETREF(self->req->status, Py_NewRef(PyTuple_GET_ITEM(args, 0)));
+        /* The status as clean text: a bytes status is latin-1 (WSGI). */
+        PyObject *st = PyTuple_GET_ITEM(args, 0);
+        PyObject *text = PyBytes_Check(st)
+            ? PyUnicode_DecodeLatin1(PyBytes_AS_STRING(st),
+                                     PyBytes_GET_SIZE(st), NULL)
+            : str_cut(st, GQP_MAX_STATUS);
+        if (text && PyUnicode_GET_LENGTH(text) > GQP_MAX_STATUS) {
+            Py_SETREF(text, PyUnicode_Substring(text, 0, GQP_MAX_STATUS));
+        }
+        text = clean_text(text);
+        if (text && self->req) {
+            Py_XSETREF(self->req->status, text);
+        } else {
+            Py_XDECREF(text);
+            PyErr_Clear();   /* (never the app's error) */
+        }
     }
     PyObject *fwd[] = {PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1),
                        exc_info};
-    return PyObject_Vectorcall(self->start_response, fwd,
-                               exc_info == Py_None ? 2 : 3, NULL);
+    PyObject *r = PyObject_Vectorcall(self->start_response, fwd,
+                                      exc_info == Py_None ? 2 : 3, NULL);
+    Py_DECREF(exc_info);
+    return r;
 }
 
 static PyTypeObject gqp_startresp_type = {
@@ -749,7 +786,7 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
     sr->req = (gqp_req *)Py_NewRef((PyObject *)req);
     sr->start_response = Py_NewRef(start_response);
     PyObject_GC_Track(sr);
-    PyObject *result = call2(mw->app, environ, (PyObject *)sr);
+    PyObject *result = call_app(mw, environ, (PyObject *)sr);
     Py_DECREF(sr);
     if (!result) {
         req_note_error(req, 0);
@@ -807,7 +844,8 @@ static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
     return run_profiled(self, (gqp_req *)args[0], args[1], args[2]);
 }
 
-/* str(environ[key])[:max], "" when missing; NULL with an exception set. */
+/* str(environ[key])[:max], cleaned, "" when missing; NULL with an
+ * exception set.  (str_cut holds the value while its __str__ runs.) */
 static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
 {
     PyObject *v = PyDict_GetItemWithError(environ, key);

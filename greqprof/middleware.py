@@ -383,10 +383,12 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req = _OpenRequest()
         req.generation = _engine.fork_generation()
         req.greenlet = g
-        req.method = str(environ.get("REQUEST_METHOD", ""))[:32]
-        req.path = str(environ.get("PATH_INFO", ""))[:MAX_PATH]
+        # (clean text, as the C path records it)
+        req.method = clean(str(environ.get("REQUEST_METHOD", ""))[:32])
+        req.path = clean(str(environ.get("PATH_INFO", ""))[:MAX_PATH])
         rid = environ.get("HTTP_X_REQUEST_ID")
-        req.request_id = str(rid)[:MAX_REQUEST_ID] if rid else None
+        req.request_id = (clean(str(rid)[:MAX_REQUEST_ID]) if rid
+                          else None)
         req.status = None
         req.error = None
         req.done = False
