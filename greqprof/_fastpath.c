@@ -379,6 +379,7 @@ typedef struct {
     int slow_only;           /* inspector / observers: every request slow */
     int blocking;            /* unsampled requests are noted */
     int deferred;            /* found inside another greqprof middleware */
+    int observers;           /* observers are told of every request */
     /* Sampled requests (_sampled.c): */
     int calls;               /* calls=True: Python begins them */
     int linger;              /* linger > 0: the finisher finalizes */
@@ -401,6 +402,9 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
                               PyObject *environ, PyObject *start_response);
 static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
+static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs);
+static void note_unsampled(gqp_py_thread *st, PyObject *environ);
 static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
                                  Py_ssize_t nargs);
 static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
@@ -687,26 +691,44 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         armed(self);
     }
     if (st) {
-        uint64_t gid = 0;
-        if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
-            /* Each value held: a later lookup may run Python (the __eq__
-             * of a key whose hash collides), which may remove an earlier
-             * one from environ. */
-            PyObject *m = PyDict_GetItemWithError(environ, str_method_key);
-            Py_XINCREF(m);
-            PyObject *p = PyDict_GetItemWithError(environ, str_path_key);
-            Py_XINCREF(p);
-            PyObject *r = PyDict_GetItemWithError(environ, str_rid_key);
-            Py_XINCREF(r);
-            PyErr_Clear();
-            note_set(st, gid, m, p, r);
-            Py_XDECREF(m);
-            Py_XDECREF(p);
-            Py_XDECREF(r);
-            PyErr_Clear();
-        }
+        note_unsampled(st, environ);
     }
     return call_app(self, environ, start_response);
+}
+
+/* Notes the unsampled request the running greenlet begins (environ: an
+ * exact dict). */
+static void note_unsampled(gqp_py_thread *st, PyObject *environ)
+{
+    uint64_t gid = 0;
+    if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
+        /* Each value held: a later lookup may run Python (the __eq__
+         * of a key whose hash collides), which may remove an earlier
+         * one from environ. */
+        PyObject *m = PyDict_GetItemWithError(environ, str_method_key);
+        Py_XINCREF(m);
+        PyObject *p = PyDict_GetItemWithError(environ, str_path_key);
+        Py_XINCREF(p);
+        PyObject *r = PyDict_GetItemWithError(environ, str_rid_key);
+        Py_XINCREF(r);
+        PyErr_Clear();
+        note_set(st, gid, m, p, r);
+        Py_XDECREF(m);
+        Py_XDECREF(p);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+}
+
+/* _lifecycle_setup(observers): whether observers hear of requests. */
+static PyObject *mw_lifecycle_setup(gqp_mw *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return NULL;
+    }
+    self->observers = on;
+    Py_RETURN_NONE;
 }
 
 /* _set_linger(seconds): how long finished sampled requests wait for the
@@ -899,6 +921,10 @@ static PyMethodDef mw_methods[] = {
      "True when the calling thread takes the C path (internal)."},
     {"_call_profiled", (PyCFunction)(void (*)(void))mw_call_profiled,
      METH_FASTCALL, "Runs the app for an open request (internal)."},
+    {"_begin_request", (PyCFunction)(void (*)(void))mw_begin_request,
+     METH_FASTCALL, "Begins a profiled or observed request (internal)."},
+    {"_lifecycle_setup", (PyCFunction)mw_lifecycle_setup, METH_O,
+     "Sets whether observers hear of requests (internal)."},
     {"_finalize", (PyCFunction)(void (*)(void))mw_finalize, METH_FASTCALL,
      "Closes a request's profile and delivers it (internal)."},
     {"_build_profile", (PyCFunction)(void (*)(void))mw_build_profile,

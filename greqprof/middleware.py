@@ -232,6 +232,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                              cfg.max_open, cfg.max_spans, RequestRawProfile)
             self._finalize_setup(RequestProfile, _collect.request_records,
                                  cfg.clock, self.hostname)
+            self._lifecycle_setup(bool(self.observers))
 
         try:
             configure()
@@ -355,9 +356,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         return None
 
     def _begin(self, environ, drawn=None):
-        """None for a request that is not profiled (the common case), else
-        the open request (or _INSPECTOR).  drawn: the C path already drew
-        (and counted) this request, sampled by that."""
+        """The policy of a request the C path does not decide by itself:
+        None for a request that is not followed (the common case), else
+        the open request begun by the C lifecycle (or _INSPECTOR).
+        drawn: the C path already drew (and counted) this request, sampled
+        by that."""
         cfg = self.config
         if drawn is not None:
             sampled_by = drawn
@@ -366,102 +369,59 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 return _INSPECTOR
             self.stats["requests"] += 1
             sampled_by = self._sample(environ)
-        if sampled_by is None:
-            if cfg.blocking_ns and not self.observers:
+        if sampled_by is None and not self.observers:
+            if cfg.blocking_ns:
                 self._note_unsampled(environ)
-                return None
-            if not cfg.blocking_ns:
+            else:
                 # What the greenlet spawns now is not its previous,
                 # lingering request's.
                 eng = _engine.current_engine()
                 if eng is not None and eng.lingering:
                     self._stop_lingering(eng, getcurrent())
-                return None
+            return None
         eng = engine_for_thread(cfg)
         self._join(eng)
-        g = getcurrent()
-        req = _OpenRequest()
-        req.generation = _engine.fork_generation()
-        req.greenlet = g
-        # (clean text, as the C path records it)
-        req.method = clean(str(environ.get("REQUEST_METHOD", ""))[:32])
-        req.path = clean(str(environ.get("PATH_INFO", ""))[:MAX_PATH])
-        rid = environ.get("HTTP_X_REQUEST_ID")
-        req.request_id = (clean(str(rid)[:MAX_REQUEST_ID]) if rid
-                          else None)
-        req.status = None
-        req.error = None
-        req.done = False
-        req.profile = None
-        req.addr = None
-        req.blocking = []
-        req.observed = None
-        req.sampled_by = sampled_by
-        req.engine = eng
-        req.owner = self
-        if eng.lingering:
-            self._stop_lingering(eng, g)
-        if sampled_by is not None and \
-                not self._open_acquire(sampled_by == "trigger"):
-            self.stats["skipped_full"] += 1
-            sampled_by = req.sampled_by = None
-        req.start_ns = _lowlevel.wall_ns()
-        req.gid = None
-        if sampled_by is not None:
-            try:
-                rp = RequestRawProfile.for_request(cfg.max_spans)
-                # (the CPU window narrows before the attach reads the CPU
-                # clock for the profile's first span: a fresh reading)
-                eng.profile_opened()
-                try:
-                    req.gid = eng.tracer.attach_id(g, rp.addr)
-                except Exception:
-                    eng.profile_closed()
-                    raise
-                req.profile = rp
-                req.addr = rp.addr
-                try:
-                    if cfg.calls:
-                        eng.acquire_calls()
-                except Exception:
-                    eng.tracer.attach_id(g, 0)
-                    raise
-                self.stats["sampled"] += 1
-            except Exception as e:
-                self._open_release(sampled_by == "trigger")
-                req.profile = req.addr = None
-                req.sampled_by = None
-                self._internal_error("open profile", e)
-        if req.gid is None:
-            req.gid = _registry.greenlet_id(eng.tracer.addr, g) or None
-        if req.gid is not None:
-            eng.requests[req.gid] = req
-        if req.profile is not None:
-            eng.profile_requests[req.addr] = req
-        if self.observers:
-            req.observed = []
-            try:
-                for obs in self.observers:
-                    self._notify(obs, "on_begin", req)
-            except BaseException:
-                # (a GreenletExit or Timeout in an observer that waited:
-                # the request never runs, and releases what it took)
-                self._unregister(eng, req)
-                raise
-        return req
+        # (C: the one place a followed request begins, _sampled.c's
+        # open_request; it calls back _observe_begin)
+        return self._begin_request(environ, sampled_by)
 
-    def _unregister(self, eng, req):
-        """Undoes _begin's registration of req (its profile dropped)."""
-        if req.profile is not None:
-            eng.tracer.attach_id(req.greenlet, 0)
-            req.profile.close()
-            eng.profile_closed()
-            self._open_release(req.sampled_by == "trigger")
-            if self.config.calls:
-                eng.release_calls()
-        _forget(eng, req)
-        req.done = True
-        req.greenlet = None
+    # -- the lifecycle's Python hooks (called by the C lifecycle, at fixed
+    # points, for what is the user's: observers and function statistics) --
+
+    def _observe_begin(self, req):
+        for obs in self.observers:
+            self._notify(obs, "on_begin", req)
+
+    def _observe_end(self, req):
+        """The response of req ended (its greenlet left the profile):
+        blocking spans are drained and observers see the request while
+        their trace span is still open.  A request without a profile also
+        closes its greenlet's long-running span, so that span is reported
+        under its name."""
+        eng = req.engine
+        if req.profile is None and self.config.blocking_ns and \
+                req.gid is not None and not req.greenlet.dead:
+            run = eng.tracer.running_since()
+            if run is not None and run[1] == req.gid and \
+                    req.end_ns - run[0] >= self.config.blocking_ns:
+                eng.tracer.attach_id(req.greenlet, 0)
+        self._drain_blocking(eng)
+        snapshot = (self._build(eng, req, snapshot=True)
+                    if req.profile is not None else None)
+        for obs in self.observers:
+            self._notify(obs, "on_response_end", req, snapshot,
+                         list(req.blocking))
+
+    def _observe_profile(self, req, profile):
+        for obs in self.observers:
+            self._notify(obs, "on_profile", req, profile)
+
+    @staticmethod
+    def _calls_of(req):
+        # greqprof's own frames (the middleware around the app) are
+        # profiling overhead, not the app's time.
+        return [f for f in _collect.func_stats([req.profile])
+                if not f.filename.startswith(_OWN_DIR)]
 
     @staticmethod
     def _stop_lingering(eng, g):
@@ -519,60 +479,6 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             except Exception as e:
                 self._internal_error("observer %s" % event, e)
 
-    def _finish(self, req):
-        """The response is done (closed, or the app raised)."""
-        if req.done:
-            return
-        req.done = True
-        if req.generation != _engine.fork_generation():
-            # Begun before a fork: the parent reports it, not this child.
-            req.greenlet = None
-            return
-        try:
-            eng = engine_for_thread(self.config)
-            req.end_ns = _lowlevel.wall_ns()
-            g = req.greenlet
-            if req.profile is not None and not g.dead:
-                # Later spans of this greenlet (the next keep-alive request)
-                # are not this request's; greenlets it spawned still are.
-                # (A dead one, whose body was collected later, has none.)
-                eng.tracer.attach_id(g, 0)
-            elif self.config.blocking_ns and req.gid is not None:
-                # Close a long-running span now so it is reported with this
-                # request's name.
-                run = eng.tracer.running_since()
-                if run is not None and run[1] == req.gid and \
-                        req.end_ns - run[0] >= self.config.blocking_ns:
-                    eng.tracer.attach_id(g, 0)
-            try:
-                self._drain_blocking(eng)
-                if self.observers:
-                    # Observers (OpenTelemetry) see the request while its
-                    # trace span is still open: what is known at the end
-                    # of the response.
-                    snapshot = (self._build(eng, req, snapshot=True)
-                                if req.profile is not None else None)
-                    for obs in self.observers:
-                        self._notify(obs, "on_response_end", req, snapshot,
-                                     list(req.blocking))
-            finally:
-                # Queued (or finalized) even when a logging handler or an
-                # observer raised a GreenletExit or Timeout, which goes on.
-                if req.profile is not None:
-                    if self.linger > 0:
-                        eng.tracer.set_spawn_profile(g, req.profile)
-                        eng.lingering[id(g)] = req
-                        self._schedule_finalize(eng, req)
-                    else:
-                        self._finalize(eng, req)
-                elif eng.requests.get(req.gid) is req:
-                    del eng.requests[req.gid]
-        except Exception as e:
-            self._internal_error("finish", e)
-        finally:
-            if req.profile is None:
-                req.greenlet = None
-
     def _schedule_finalize(self, eng, req):
         """Queues req for the engine's finisher greenlet (one per thread,
         not one per request).  It wakes through a loop callback queued after
@@ -597,51 +503,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         elif eng.finisher_wake is not None:  # (else: not started yet)
             eng.finisher_wake.set()
 
-    # _finalize(eng, req) is MiddlewareBase's, in C (_sampled.c): it does
-    # what _finalize_py does for the common case (this thread's armed
-    # engine, no observers, calls off) and hands the rest to it.
-
-    def _finalize_py(self, eng, req):
-        """Closes the profile, builds the RequestProfile and delivers it."""
-        if req.greenlet is None:
-            return  # already finalized (flush() before the linger ended)
-        if req.generation != _engine.fork_generation():
-            req.greenlet = None  # the parent's request: not ours to report
-            return
-        try:
-            if eng.lingering.get(id(req.greenlet)) is req:
-                del eng.lingering[id(req.greenlet)]
-                if not req.greenlet.dead:
-                    eng.tracer.set_spawn_profile(req.greenlet, None)
-            req.profile.close()
-            eng.profile_closed()
-            self._open_release(req.sampled_by == "trigger")
-            if self.config.calls:
-                eng.release_calls()
-            # Drain while the request is still registered, so its blocking
-            # spans are named after it.
-            self._drain_blocking(eng)
-            profile = self._build(eng, req)
-            self._deliver(profile)
-            for obs in self.observers:
-                self._notify(obs, "on_profile", req, profile)
-        except Exception as e:
-            self._internal_error("finish", e)
-        finally:
-            req.greenlet = None
-            _forget(eng, req)
+    # _finalize(eng, req) is MiddlewareBase's, in C (_sampled.c's
+    # mw_finalize): every profile is closed, built and delivered there.
 
     def _build(self, eng, req, snapshot=False):
         """The RequestProfile of req (_sampled.c's build_profile, which
-        the C path calls itself); snapshot=True reads an open profile
+        the C lifecycle calls itself); snapshot=True reads an open profile
         without consuming its stacks (for observers), and without its
         blocking events."""
-        calls = None
-        if self.config.calls:
-            # greqprof's own frames (the middleware around the app) are
-            # profiling overhead, not the app's time.
-            calls = [f for f in _collect.func_stats([req.profile])
-                     if not f.filename.startswith(_OWN_DIR)]
+        calls = self._calls_of(req) if self.config.calls else None
         return self._build_profile(eng.tracer.addr, req, snapshot, calls)
 
     def _drain_loop(self, eng):
@@ -1012,6 +882,11 @@ def _reaper_loop(eng):
         gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]))
         if eng.abandoned or not eng.profile_requests:
             continue
+        if eng.pending and not eng.finisher_woken:
+            # (a request finished from another thread was queued here
+            # without waking this thread's finisher)
+            for mw in list(eng.middlewares)[:1]:
+                mw._wake_finisher_soon(eng)
         now = _lowlevel.wall_ns()
         for req in list(eng.profile_requests.values()):
             mw = req.owner
