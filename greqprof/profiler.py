@@ -41,11 +41,27 @@ if hasattr(os, "register_at_fork"):
 class _Session:
     """The tracer and profile of one OS thread."""
 
-    def __init__(self, tracer, profile, thread_name):
+    def __init__(self, tracer, profile, thread_name, engine=None):
         self.tracer = tracer
         self.profile = profile
         self.thread_name = thread_name
         self.thread_ident = real_get_ident()
+        #: the ProfilingMiddleware engine whose tracer this session shares
+        #: (a thread has one set of hooks), or None
+        self.engine = engine
+
+    def end(self, calls):
+        if self.engine is None:
+            self.tracer.uninstall()
+            return
+        # The middleware goes on: its hooks stay, the thread's greenlets
+        # outside requests go back to no profile.
+        eng, self.engine = self.engine, None
+        if not eng.abandoned:
+            self.tracer.set_default(None)
+            if calls:
+                eng.release_calls()
+            eng.profile_closed()
 
 
 class Profiler:
@@ -104,7 +120,30 @@ class Profiler:
             return "off"  # no CPU clock is read at all
         return self.cpu
 
+    def _join_engine(self, eng):
+        """This thread serves a ProfilingMiddleware, whose hooks are in: the
+        session shares its tracer.  Every greenlet of the thread outside a
+        sampled request (unsampled requests included) is recorded into this
+        session's profile (the tracer's default), while sampled requests
+        keep their own profiles.  The tracer's settings are the
+        middleware's (its clock; builtins and stack_threshold do not
+        apply); the CPU window is narrowed to 100 us meanwhile."""
+        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        eng.tracer.set_default(profile)
+        eng.profile_opened()
+        if self.calls:
+            eng.acquire_calls()
+        session = _Session(eng.tracer, profile,
+                           threading.current_thread().name, engine=eng)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
     def _new_session(self):
+        from .engine import current_engine
+        eng = current_engine()
+        if eng is not None:
+            return self._join_engine(eng)
         tracer = RawTracer(
             cpu_mode=self._cpu_mode(), call_clock=self.clock,
             long_span_ns=(int(self.stack_threshold * 1e9)
@@ -171,7 +210,7 @@ class Profiler:
         with self._lock:
             sessions = list(self._sessions)
         for s in sessions:
-            s.tracer.uninstall()
+            s.end(self.calls)
 
     def _forked(self, me):
         with self._lock:

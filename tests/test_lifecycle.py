@@ -598,3 +598,50 @@ def test_blocking_child_greenlet_keeps_its_function_name(serve, caplog, pct):
     assert len(evs) == 1, evs
     assert evs[0]["fn_name"] == "test_lifecycle._blocker_child", evs[0]
     assert evs[0]["path"] == "/spawns"
+
+
+# ---------------------------------------------------------------------------
+# 7. the Profiler and the middleware in one thread
+
+def _outside_work():
+    _burn_cpu(0.003)
+
+
+@pytest.mark.parametrize("pct", [1.0, 0.0])
+def test_profiler_started_in_a_thread_that_serves_the_middleware(serve, pct):
+    """After middleware requests in this thread, Profiler().start() works:
+    it records the thread's greenlets outside sampled requests (unsampled
+    requests included) while per-request profiles go on; stop() leaves the
+    middleware working."""
+    import gevent
+    from greqprof import Profiler
+
+    def app(environ, start_response):
+        _burn_cpu(0.001)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    s = serve(app, pct=pct, blocking_ms=50)
+    assert s.get("/before").status == 200
+    prof = Profiler(calls=True)
+    prof.start()
+    try:
+        gevent.spawn(_outside_work).join()
+        assert s.get("/during").status == 200
+    finally:
+        prof.stop()
+    names = {f.qualname for f in prof.func_stats()}
+    assert "_outside_work" in names, sorted(names)[:20]
+    assert prof.spans()
+    if pct:
+        p = s.profile_for("/during")
+        assert p.spans   # the request kept its own profile
+        assert "app" not in {f.name for f in prof.func_stats()
+                             if f.filename == __file__}
+    else:
+        # an unsampled request's app ran in the Profiler's view
+        assert any(f.name == "app" for f in prof.func_stats())
+    assert s.get("/after").status == 200
+    if pct:
+        s.profile_for("/after")
+    wait_for(lambda: s.mw._open == 0, what="slots back")
