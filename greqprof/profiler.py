@@ -25,6 +25,19 @@ def _check_positive(name, value, integer=False, allow_zero=False):
 _running_profilers = weakref.WeakSet()
 
 
+def _session_of_thread(ident):
+    """The session of a running Profiler with its own hooks in thread
+    ident, or None (engine.py: a ProfilingMiddleware's engine takes the
+    thread's hooks over)."""
+    for prof in list(_running_profilers):
+        with prof._lock:
+            for s in prof._sessions:
+                if s.thread_ident == ident and s.engine is None and \
+                        s.tracer is not None and prof._running:
+                    return s
+    return None
+
+
 def _after_fork_in_child():
     # The child keeps profiling the thread that forked, from a clean slate:
     # data recorded before the fork belongs to the parent, and the other
@@ -41,14 +54,27 @@ if hasattr(os, "register_at_fork"):
 class _Session:
     """The tracer and profile of one OS thread."""
 
-    def __init__(self, tracer, profile, thread_name, engine=None):
+    def __init__(self, tracer, profile, thread_name, engine=None,
+                 calls=False):
         self.tracer = tracer
+        self.calls = calls
         self.profile = profile
         self.thread_name = thread_name
         self.thread_ident = real_get_ident()
         #: the ProfilingMiddleware engine whose tracer this session shares
         #: (a thread has one set of hooks), or None
         self.engine = engine
+
+    def share(self, eng):
+        """From now on this session is recorded through eng's tracer (the
+        thread's ProfilingMiddleware): every greenlet outside sampled
+        requests goes to this session's profile."""
+        eng.tracer.set_default(self.profile)
+        eng.profile_opened()
+        if self.calls:
+            eng.acquire_calls()
+        self.tracer = eng.tracer
+        self.engine = eng
 
     def end(self, calls):
         if self.engine is None:
@@ -129,12 +155,9 @@ class Profiler:
         middleware's (its clock; builtins and stack_threshold do not
         apply); the CPU window is narrowed to 100 us meanwhile."""
         profile = RawProfile(max_spans=self.max_spans, keep="last")
-        eng.tracer.set_default(profile)
-        eng.profile_opened()
-        if self.calls:
-            eng.acquire_calls()
-        session = _Session(eng.tracer, profile,
-                           threading.current_thread().name, engine=eng)
+        session = _Session(None, profile, threading.current_thread().name,
+                           calls=self.calls)
+        session.share(eng)
         with self._lock:
             self._sessions.append(session)
         return session
@@ -156,7 +179,8 @@ class Profiler:
         tracer.install(calls=self.calls, builtins=self.builtins,
                        inherit=False,
                        stacks=self.stack_threshold is not None)
-        session = _Session(tracer, profile, threading.current_thread().name)
+        session = _Session(tracer, profile, threading.current_thread().name,
+                           calls=self.calls)
         with self._lock:
             self._sessions.append(session)
         return session

@@ -645,3 +645,38 @@ def test_profiler_started_in_a_thread_that_serves_the_middleware(serve, pct):
     if pct:
         s.profile_for("/after")
     wait_for(lambda: s.mw._open == 0, what="slots back")
+
+
+def _outside_work_2():
+    _burn_cpu(0.003)
+
+
+def test_middleware_serving_a_thread_where_a_profiler_runs(serve):
+    """A Profiler started first, then middleware requests in the same
+    thread: the requests are profiled (the middleware's engine takes the
+    thread's hooks over) and the Profiler goes on recording the thread's
+    greenlets outside sampled requests, before and after."""
+    import gevent
+    from greqprof import Profiler
+
+    def app(environ, start_response):
+        _burn_cpu(0.001)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    prof = Profiler(calls=True)
+    prof.start()
+    try:
+        gevent.spawn(_outside_work).join()
+        s = serve(app, pct=1.0, blocking_ms=50)
+        assert s.get("/first").status == 200
+        p = s.profile_for("/first")
+        assert p.spans
+        assert s.mw.stats["errors"] == 0
+        gevent.spawn(_outside_work_2).join()
+    finally:
+        prof.stop()
+    names = {f.qualname for f in prof.func_stats()}
+    assert {"_outside_work", "_outside_work_2"} <= names, sorted(names)
+    assert s.get("/after").status == 200
+    s.profile_for("/after")
