@@ -59,15 +59,18 @@ def post_worker_init(worker):
     """Wraps the worker's app in greqprof's middleware (in the worker, after
     the fork and gevent's monkey-patching), unless the app module did."""
     from greqprof import ProfilingMiddleware
+    from greqprof.middleware import find_middleware
     from greqprof.otel import OtelObserver   # needs no opentelemetry
-    mw = worker.wsgi
-    if not isinstance(mw, ProfilingMiddleware):
+    # (already wrapped, by whatever object carries it: Flask's
+    # app.wsgi_app = ProfilingMiddleware(app.wsgi_app) too)
+    mw = find_middleware(worker.wsgi)
+    app = worker.wsgi
+    if mw is None:
         # Options from GREQPROF_*; an invalid value raises ConfigError here
         # and the worker fails to boot, so a typo cannot go unnoticed.
-        mw = ProfilingMiddleware(mw)
-    app = mw
+        mw = app = ProfilingMiddleware(worker.wsgi)
     if any(isinstance(o, OtelObserver) for o in mw.observers):
-        app = _traced(mw)
+        app = _traced(app)
     worker.wsgi = app
     worker.greqprof = mw
     worker.log.info("Profiling with greqprof in worker %s: %r", worker.pid,

@@ -7,7 +7,7 @@ by the C library libgreqprof.
 from ._lowlevel import library_version
 from .errors import (ConfigError, GreqprofError, LibraryError,
                      ProfilerStateError)
-from .middleware import ProfilingMiddleware
+from .middleware import ProfileHandle, ProfilingMiddleware, current_profile
 from .profiler import Profiler
 from .request_profile import BlockingEvent, RequestProfile, Waiting, WaitedOn
 from .stats import ChildStat, FuncStat, GreenletStat, Span
@@ -15,7 +15,7 @@ from .stats import ChildStat, FuncStat, GreenletStat, Span
 __version__ = "0.1.0"
 
 __all__ = [
-    "Profiler", "ProfilingMiddleware", "RequestProfile", "BlockingEvent",
+    "Profiler", "ProfilingMiddleware", "current_profile", "ProfileHandle", "RequestProfile", "BlockingEvent",
     "Waiting", "WaitedOn", "Span", "FuncStat", "ChildStat", "GreenletStat",
     "GreqprofError", "ConfigError", "ProfilerStateError", "LibraryError",
     "library_version", "__version__",

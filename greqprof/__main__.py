@@ -15,6 +15,10 @@ import os
 import sys
 
 UI_PATH = "/_greqprof"
+#: seconds requests in flight get to end on SIGTERM/SIGINT
+STOP_GRACE_S = 5.0
+#: seconds the profiles still waiting may take to be delivered then
+FLUSH_S = 5.0
 
 
 class CliError(Exception):
@@ -57,25 +61,34 @@ def cmd_serve(args):
     from gevent import pywsgi
 
     from .errors import ConfigError
-    from .middleware import ProfilingMiddleware
+    from .middleware import ProfilingMiddleware, find_middleware
 
     if args.patch:
         from gevent import monkey
         monkey.patch_all()
     app = load_app(args.app)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mw = find_middleware(app)
+    if mw is not None:
+        # The module wraps its app already: served as it is (its own
+        # options), not profiled twice.
+        print("greqprof: %s is already wrapped in a ProfilingMiddleware; "
+              "its options are used, not the command line's" % args.app,
+              file=sys.stderr, flush=True)
     try:
-        mw = ProfilingMiddleware(
-            app, pct=args.pct, calls=args.calls,
-            blocking_ms=args.blocking_ms if args.blocking_ms > 0 else None,
-            ui_path=UI_PATH if args.ui else None,
-            profile_dir=args.profile_dir,
-            formats=args.formats.split(",") if args.formats else None,
-            report=not args.quiet)
+        if mw is None:
+            mw = app = ProfilingMiddleware(
+                app, pct=args.pct, calls=args.calls,
+                blocking_ms=(args.blocking_ms if args.blocking_ms > 0
+                             else None),
+                ui_path=UI_PATH if args.ui else None,
+                profile_dir=args.profile_dir,
+                formats=args.formats.split(",") if args.formats else None,
+                report=not args.quiet)
     except ConfigError as e:
         raise CliError(str(e))
     try:
-        server = pywsgi.WSGIServer((args.host, args.port), mw,
+        server = pywsgi.WSGIServer((args.host, args.port), app,
                                    log=None if args.quiet else "default")
         server.start()
     except OSError as e:
@@ -87,10 +100,21 @@ def cmd_serve(args):
     print("greqprof: serving %s on %s" % (args.app, url), flush=True)
     if args.ui:
         print("greqprof: inspector at %s%s/" % (url, UI_PATH), flush=True)
+    # SIGTERM and SIGINT stop the server (the requests in flight get
+    # STOP_GRACE_S to end), then the profiles still lingering or queued
+    # are delivered (bounded by FLUSH_S) before the process exits.
+    import signal
+    import gevent
+    from gevent.event import Event
+    stopping = Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        gevent.signal_handler(sig, stopping.set)
     try:
-        server.serve_forever()
+        stopping.wait()
     except KeyboardInterrupt:
         pass
+    server.stop(timeout=STOP_GRACE_S)
+    mw.flush(timeout=FLUSH_S)
     return 0
 
 

@@ -23,6 +23,8 @@
  * found through live objects: nothing is kept per greenlet for that. */
 
 #define GQP_NOTES 1024           /* a power of two */
+#define GQP_TRIGGER_SLOTS 8      /* profiles of trigger requests, besides
+                                    max_open (middleware.TRIGGER_SLOTS) */
 #define GQP_NOTE_MAX_METHOD 32
 #define GQP_NOTE_MAX_PATH 2048
 #define GQP_NOTE_MAX_RID 200
@@ -41,18 +43,47 @@ static void note_clear(gqp_note *n)
     Py_CLEAR(n->rid);
 }
 
-/* str(v)[:max]: a new reference, or NULL with an exception set. */
+/* ---- clean text (greqprof/_text.py, docs: the clean-text contract) ----
+ * Text from the app, the environ or the interpreter is recorded printable:
+ * _hooks.c's clean_text (printable ASCII as it is, no Python call;
+ * anything else through greqprof._text.clean). */
+
+/* clean_text for a reference it takes over: steals s (NULL passes on),
+ * returns a new reference to an exact str, or NULL with an exception
+ * set. */
+static PyObject *clean_text_take(PyObject *s)
+{
+    if (!s) {
+        return NULL;
+    }
+    PyObject *r = clean_text(s);
+    Py_DECREF(s);
+    if (r && !PyUnicode_CheckExact(r)) {
+        Py_SETREF(r, PyUnicode_Check(r) ? PyUnicode_FromObject(r) : NULL);
+        if (!r && !PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "clean() did not return a str");
+        }
+    }
+    return r;
+}
+
+/* str(v)[:max], cleaned: a new reference, or NULL with an exception set.
+ * v is held meanwhile (its __str__ may remove it from where it was
+ * borrowed). */
 static PyObject *str_cut(PyObject *v, Py_ssize_t max)
 {
+    Py_INCREF(v);
     PyObject *s = PyUnicode_CheckExact(v) ? Py_NewRef(v) : PyObject_Str(v);
+    Py_DECREF(v);
     if (s && PyUnicode_GET_LENGTH(s) > max) {
         Py_SETREF(s, PyUnicode_Substring(s, 0, max));
     }
-    return s;
+    return clean_text_take(s);
 }
 
-/* v if it is a str (cut to max characters), else NULL; a new reference
- * (notes keep str only: str() of anything else could run code). */
+/* v if it is a str (cut to max characters, cleaned), else NULL; a new
+ * reference (notes keep str only: str() of anything else could run
+ * code). */
 static PyObject *note_str(PyObject *v, Py_ssize_t max)
 {
     if (!v || !PyUnicode_CheckExact(v)) {
@@ -64,7 +95,8 @@ static PyObject *note_str(PyObject *v, Py_ssize_t max)
 }
 
 /* Notes the request greenlet gid begins now (GIL held).  Out of memory:
- * nothing noted, the request just goes unnamed in a blocking report. */
+ * nothing noted, the request just goes unnamed in a blocking report.
+ * The arguments are the caller's references. */
 static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
                      PyObject *path, PyObject *rid)
 {
@@ -74,12 +106,16 @@ static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
     if (!st->notes && !(st->notes = calloc(GQP_NOTES, sizeof *st->notes))) {
         return;
     }
+    /* (made before the slot is touched: cleaning may run Python) */
+    PyObject *m = note_str(method, GQP_NOTE_MAX_METHOD);
+    PyObject *p = note_str(path, GQP_NOTE_MAX_PATH);
+    PyObject *r = note_str(rid, GQP_NOTE_MAX_RID);
     gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
     note_clear(n);
     n->gid = gid;
-    n->method = note_str(method, GQP_NOTE_MAX_METHOD);
-    n->path = note_str(path, GQP_NOTE_MAX_PATH);
-    n->rid = note_str(rid, GQP_NOTE_MAX_RID);
+    n->method = m;
+    n->path = p;
+    n->rid = r;
 }
 
 /* Greenlet gid died: its note goes (GIL held). */
@@ -102,6 +138,94 @@ static void notes_free(gqp_py_thread *st)
         free(st->notes);
         st->notes = NULL;
     }
+}
+
+/* ---- the function a greenlet runs ---------------------------------------
+ * A blocking span that ends with its greenlet (a child that blocked, then
+ * returned) is reported after gevent dropped the Greenlet's _run, so its
+ * function could no longer be named.  The function (not a bound method:
+ * that would keep its object alive) of every new greenlet of a
+ * middleware's thread is kept here until the greenlet dies: GQP_RUNS
+ * slots by greenlet address, a collision replaces the older entry. */
+
+#define GQP_RUNS 1024            /* a power of two */
+
+typedef struct gqp_run {
+    gqp_py_thread *st;
+    uint64_t key;
+    PyObject *fn;                /* a Python function, or NULL */
+} gqp_run;
+
+static gqp_run gqp_runs[GQP_RUNS];
+
+static gqp_run *run_slot(uint64_t key)
+{
+    return &gqp_runs[(key >> 4 ^ key >> 14) & (GQP_RUNS - 1)];
+}
+
+static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key)
+{
+    PyObject **dictptr = _PyObject_GetDictPtr(g);
+    if (!dictptr || !*dictptr || !PyDict_Check(*dictptr)) {
+        return;
+    }
+    PyObject *run = PyDict_GetItemWithError(*dictptr, run_str);
+    PyErr_Clear();
+    PyObject *fn = run && PyMethod_Check(run) ? PyMethod_GET_FUNCTION(run)
+                                              : run;
+    if (!fn || !PyFunction_Check(fn)) {
+        return;
+    }
+    gqp_run *r = run_slot(key);
+    PyObject *old = r->fn;
+    r->st = st;
+    r->key = key;
+    r->fn = Py_NewRef(fn);
+    Py_XDECREF(old);   /* (last: a deallocation may run code) */
+}
+
+static void run_forget(gqp_py_thread *st, uint64_t key)
+{
+    gqp_run *r = run_slot(key);
+    if (r->fn && r->st == st && r->key == key) {
+        PyObject *old = r->fn;
+        r->fn = NULL;
+        r->st = NULL;
+        r->key = 0;
+        Py_DECREF(old);
+    }
+}
+
+/* (name, fn_name) for a dead greenlet whose names lack the function,
+ * with the function kept from its start; a new reference, or NULL. */
+static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names)
+{
+    gqp_run *r = run_slot(key);
+    if (!r->fn || r->st != st || r->key != key) {
+        return NULL;
+    }
+    PyObject *name = NULL;
+    if (names && PyTuple_Check(names) && PyTuple_GET_SIZE(names) == 2) {
+        PyObject *fn = PyTuple_GET_ITEM(names, 1);
+        if (fn && PyUnicode_Check(fn) && PyUnicode_GET_LENGTH(fn) > 0) {
+            return NULL;   /* (named already) */
+        }
+        /* (held: naming the function runs code, which may drop names) */
+        name = Py_NewRef(PyTuple_GET_ITEM(names, 0));
+    }
+    PyObject *fn = Py_NewRef(r->fn);
+    PyObject *fn_name = run_name(fn);
+    Py_DECREF(fn);
+    if (!fn_name) {
+        Py_XDECREF(name);
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *res = PyTuple_Pack(2, name ? name : Py_None, fn_name);
+    Py_XDECREF(name);
+    Py_DECREF(fn_name);
+    PyErr_Clear();
+    return res;
 }
 
 static PyObject *or_none(PyObject *v)
@@ -238,11 +362,14 @@ typedef struct {
     int enabled;             /* 0: a plain pass-through */
     int slow_only;           /* inspector / observers: every request slow */
     int blocking;            /* unsampled requests are noted */
+    int deferred;            /* found inside another greqprof middleware */
+    int observers;           /* observers are told of every request */
     /* Sampled requests (_sampled.c): */
     int calls;               /* calls=True: Python begins them */
     int linger;              /* linger > 0: the finisher finalizes */
     long long linger_ns;
     int max_open, open;      /* sampled profiles open at once: cap, count */
+    int trigger_open;        /* those of trigger requests (own reserve) */
     size_t max_spans;
     PyTypeObject *profile_type;   /* _lowlevel.RequestRawProfile */
     PyObject *clock, *hostname;   /* fields of every RequestProfile */
@@ -259,8 +386,13 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
                               PyObject *environ, PyObject *start_response);
 static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
-static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused);
-static PyObject *mw_open_release(gqp_mw *self, PyObject *unused);
+static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs);
+static void note_unsampled(gqp_py_thread *st, PyObject *environ);
+static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs);
+static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs);
 static PyObject *mw_get_open(gqp_mw *self, void *closure);
 static int mw_set_open(gqp_mw *self, PyObject *value, void *closure);
 static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
@@ -271,7 +403,8 @@ static PyObject *mw_build_profile(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
 static int gqp_py_sampled_init(PyObject *reg);
 
-static PyObject *str_call_slow, *str_pct, *str_requests,
+static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
+    *str_defer,
     *str_internal_error, *str_begin, *str_method_key, *str_path_key,
     *str_rid_key, *str_lingering, *str_requests_attr, *str_profile_requests,
     *str_pending;
@@ -326,6 +459,22 @@ static PyObject *call2(PyObject *fn, PyObject *a, PyObject *b)
 {
     PyObject *args[] = {a, b};
     return PyObject_Vectorcall(fn, args, 2, NULL);
+}
+
+/* The app, called with a reference held: the app may replace
+ * middleware.app (the last reference) while it runs. */
+static PyObject *call_app(gqp_mw *self, PyObject *environ,
+                          PyObject *start_response)
+{
+    PyObject *app = self->app;
+    if (!app) {
+        PyErr_SetString(PyExc_RuntimeError, "ProfilingMiddleware has no app");
+        return NULL;
+    }
+    Py_INCREF(app);
+    PyObject *r = call2(app, environ, start_response);
+    Py_DECREF(app);
+    return r;
 }
 
 static PyObject *call_method2(PyObject *self, PyObject *name, PyObject *a,
@@ -448,7 +597,30 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if (!self->enabled) {
-        return call2(self->app, environ, start_response);
+        return call_app(self, environ, start_response);
+    }
+    if (PyDict_CheckExact(environ)) {
+        /* Wrapped twice (Flask's app.wsgi_app plus a server hook that
+         * wraps again): the outer middleware marks the request, the inner
+         * one defers to it (and says so once, in Python). */
+        PyObject *outer = PyDict_GetItemWithError(environ, str_mark_key);
+        if (outer && outer != (PyObject *)self) {
+            if (!self->deferred) {
+                self->deferred = 1;
+                Py_INCREF(outer);   /* (logging runs Python) */
+                PyObject *r = PyObject_CallMethodOneArg(
+                    (PyObject *)self, str_defer, outer);
+                Py_DECREF(outer);
+                Py_XDECREF(r);
+                PyErr_Clear();
+            }
+            return call_app(self, environ, start_response);
+        }
+        if (!outer && (PyErr_Occurred() ||
+                       PyDict_SetItem(environ, str_mark_key,
+                                      (PyObject *)self) < 0)) {
+            PyErr_Clear();
+        }
     }
     if (self->slow_only || !PyDict_CheckExact(environ)) {
         return call_method2((PyObject *)self, str_call_slow, environ,
@@ -480,7 +652,7 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
             if (internal_error(self, str_begin) < 0) {   /* a raising rng */
                 return NULL;
             }
-            return call2(self->app, environ, start_response);
+            return call_app(self, environ, start_response);
         }
         sampled = x < self->pct;
         /* The rng ran Python (it may even have stopped this thread's
@@ -499,16 +671,44 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         armed(self);
     }
     if (st) {
-        uint64_t gid = 0;
-        if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
-            note_set(st, gid,
-                     PyDict_GetItemWithError(environ, str_method_key),
-                     PyDict_GetItemWithError(environ, str_path_key),
-                     PyDict_GetItemWithError(environ, str_rid_key));
-            PyErr_Clear();
-        }
+        note_unsampled(st, environ);
     }
-    return call2(self->app, environ, start_response);
+    return call_app(self, environ, start_response);
+}
+
+/* Notes the unsampled request the running greenlet begins (environ: an
+ * exact dict). */
+static void note_unsampled(gqp_py_thread *st, PyObject *environ)
+{
+    uint64_t gid = 0;
+    if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
+        /* Each value held: a later lookup may run Python (the __eq__
+         * of a key whose hash collides), which may remove an earlier
+         * one from environ. */
+        PyObject *m = PyDict_GetItemWithError(environ, str_method_key);
+        Py_XINCREF(m);
+        PyObject *p = PyDict_GetItemWithError(environ, str_path_key);
+        Py_XINCREF(p);
+        PyObject *r = PyDict_GetItemWithError(environ, str_rid_key);
+        Py_XINCREF(r);
+        PyErr_Clear();
+        note_set(st, gid, m, p, r);
+        Py_XDECREF(m);
+        Py_XDECREF(p);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+}
+
+/* _lifecycle_setup(observers): whether observers hear of requests. */
+static PyObject *mw_lifecycle_setup(gqp_mw *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return NULL;
+    }
+    self->observers = on;
+    Py_RETURN_NONE;
 }
 
 /* _set_linger(seconds): how long finished sampled requests wait for the
@@ -701,6 +901,10 @@ static PyMethodDef mw_methods[] = {
      "True when the calling thread takes the C path (internal)."},
     {"_call_profiled", (PyCFunction)(void (*)(void))mw_call_profiled,
      METH_FASTCALL, "Runs the app for an open request (internal)."},
+    {"_begin_request", (PyCFunction)(void (*)(void))mw_begin_request,
+     METH_FASTCALL, "Begins a profiled or observed request (internal)."},
+    {"_lifecycle_setup", (PyCFunction)mw_lifecycle_setup, METH_O,
+     "Sets whether observers hear of requests (internal)."},
     {"_finalize", (PyCFunction)(void (*)(void))mw_finalize, METH_FASTCALL,
      "Closes a request's profile and delivers it (internal)."},
     {"_build_profile", (PyCFunction)(void (*)(void))mw_build_profile,
@@ -709,9 +913,11 @@ static PyMethodDef mw_methods[] = {
      METH_FASTCALL, "Sets what _finalize puts in profiles (internal)."},
     {"_set_linger", (PyCFunction)mw_set_linger, METH_O,
      "Sets the linger of sampled requests, in seconds (internal)."},
-    {"_open_acquire", (PyCFunction)mw_open_acquire, METH_NOARGS,
+    {"_open_acquire", (PyCFunction)(void (*)(void))mw_open_acquire,
+     METH_FASTCALL,
      "Counts one more open profile if max_open allows (internal)."},
-    {"_open_release", (PyCFunction)mw_open_release, METH_NOARGS,
+    {"_open_release", (PyCFunction)(void (*)(void))mw_open_release,
+     METH_FASTCALL,
      "Counts one open profile fewer (internal)."},
     {NULL, NULL, 0, NULL},
 };
@@ -742,6 +948,7 @@ static int gqp_py_fast_init(PyObject *reg)
         {&str_path_key, "PATH_INFO"}, {&str_rid_key, "HTTP_X_REQUEST_ID"},
         {&str_lingering, "lingering"}, {&str_requests_attr, "requests"},
         {&str_profile_requests, "profile_requests"}, {&str_pending, "pending"},
+        {&str_mark_key, "greqprof.middleware"}, {&str_defer, "_defer"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

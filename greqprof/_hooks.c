@@ -604,6 +604,12 @@ static uint32_t store_stack(PyObject *text)
 }
 
 /* A span closed long: keep where its greenlet was and queue a record. */
+/* _fastpath.c: the function each live greenlet runs, kept from its start
+ * (gevent drops a Greenlet's _run before its last switch). */
+static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key);
+static void run_forget(gqp_py_thread *st, uint64_t key);
+static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names);
+
 static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
 {
     if (st->inherit && st->hub_key == (uint64_t)(uintptr_t)origin) {
@@ -662,6 +668,9 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     }
     Py_XDECREF(key);
     PyErr_Clear();
+    /* A dead greenlet's function, from its start (a new reference). */
+    PyObject *fixed = dead ? run_names(st, (uint64_t)(uintptr_t)origin,
+                                       names) : NULL;
     PyObject *rec = Py_BuildValue(
         "(kKLLLIIKKNNN)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
@@ -670,7 +679,10 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
         (unsigned long long)(uintptr_t)origin,
         note ? note : Py_NewRef(Py_None),
         chain ? chain : PyTuple_New(0),
-        names ? names : Py_NewRef(Py_None));
+        fixed ? Py_NewRef(fixed) : names ? Py_NewRef(names)
+                                         : Py_NewRef(Py_None));
+    Py_XDECREF(fixed);
+    Py_XDECREF(names);
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
@@ -722,6 +734,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         Py_XDECREF(parent);
         Py_XDECREF(ref);
         PyErr_Clear();
+        run_remember(st, target, key);
         if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
             /* (told once, from this thread: the watchdog reads ids, never
@@ -1187,8 +1200,9 @@ static PyObject *read_waits(gqp_profile *p, int take)
         }
         PyTuple_SET_ITEM(rows, (Py_ssize_t)i, row);
     }
-    if (rows && i < n && _PyTuple_Resize(&rows, (Py_ssize_t)i) < 0) {
-        rows = NULL;
+    if (rows && i < n) {
+        /* (a copy: _PyTuple_Resize is private) */
+        Py_SETREF(rows, PyTuple_GetSlice(rows, 0, (Py_ssize_t)i));
     }
     if (!rows) {
         return NULL;
@@ -1256,6 +1270,7 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             /* (after on_long_span: the dying greenlet's last span still
              * takes its note) */
             note_forget(st, dead_id);
+            run_forget(st, (uint64_t)(uintptr_t)origin);
         }
     }
     PyObject *res = st->prev_trace

@@ -161,6 +161,14 @@ static PyTypeObject gqp_profref_type = {
     .tp_getset = profref_getset,
 };
 
+/* Sets a RuntimeError as _lowlevel's LibraryError words it; NULL. */
+static PyObject *lib_error(const char *what, int rc)
+{
+    PyErr_Format(PyExc_RuntimeError, "%s failed: %s (%s)", what,
+                 gqp_strerror(rc), gqp_err_name(rc));
+    return NULL;
+}
+
 /* A new profile for one request, as an instance of type (ProfileRef or a
  * subclass); NULL with an exception set. */
 static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
@@ -175,7 +183,7 @@ static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
     }
     if (!(self->p = gqp_py_profile_new(max_spans))) {
         Py_DECREF(self);
-        return PyErr_NoMemory();
+        return lib_error("gqp_profile_new", GQP_ENOMEM);
     }
     return (PyObject *)self;
 }
@@ -206,9 +214,14 @@ typedef struct {
     PyObject_HEAD
     PyObject *greenlet, *gid, *profile, *addr, *method, *path, *status,
         *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
-        *blocking, *observed, *generation, *engine;
+        *blocking, *observed, *generation, *engine, *notes, *truncated,
+        *owner;
     PyObject *weakrefs;
     char finalizing;   /* set when a _finalize takes the request on */
+    char counted_trigger;   /* its slot is one of the trigger reserve */
+    char has_slot;          /* it holds a slot (released once) */
+    gqp_py_thread *st;      /* the hooks of the thread it began in ... */
+    uint64_t st_gen;        /* ... as they were then */
 } gqp_req;
 
 /* A field reads None while unset, as structmember's T_OBJECT did (which
@@ -248,6 +261,9 @@ static PyGetSetDef req_fields[] = {
     REQ_FIELD(observed, "Observers' state, or None."),
     REQ_FIELD(generation, "Fork generation it began in."),
     REQ_FIELD(engine, "The engine of the thread it began in."),
+    REQ_FIELD(notes, "The app's notes (current_profile().note), or None."),
+    REQ_FIELD(truncated, "True when closed by max_lifetime."),
+    REQ_FIELD(owner, "The middleware that profiles it."),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -276,6 +292,9 @@ static int req_traverse(gqp_req *self, visitproc visit, void *arg)
     Py_VISIT(self->observed);
     Py_VISIT(self->generation);
     Py_VISIT(self->engine);
+    Py_VISIT(self->notes);
+    Py_VISIT(self->truncated);
+    Py_VISIT(self->owner);
     return 0;
 }
 
@@ -298,6 +317,9 @@ static int req_clear(gqp_req *self)
     Py_CLEAR(self->observed);
     Py_CLEAR(self->generation);
     Py_CLEAR(self->engine);
+    Py_CLEAR(self->notes);
+    Py_CLEAR(self->truncated);
+    Py_CLEAR(self->owner);
     return 0;
 }
 
@@ -342,6 +364,13 @@ static void forget_request_of(PyObject *requests, PyObject *prev)
     }
 }
 
+#define GQP_MAX_ERROR 1000       /* characters of an error text kept */
+#define GQP_MAX_STATUS 200       /* characters of a status kept */
+
+static void open_release(gqp_mw *self, int trigger);
+static int is_trigger(gqp_req *req);
+static void finalize_forget(PyObject *eng, gqp_req *req);
+
 /* req.error = "Type: message" of the exception being raised, unless
  * keep_first and an error is already recorded.  The exception stays set. */
 static void req_note_error(gqp_req *req, int keep_first)
@@ -353,6 +382,14 @@ static void req_note_error(gqp_req *req, int keep_first)
     PyObject *name = value ? PyType_GetName(Py_TYPE(value)) : NULL;
     PyObject *msg = name ? PyUnicode_FromFormat("%U: %S", name, value) : NULL;
     Py_XDECREF(name);
+    if (!msg) {
+        PyErr_Clear();   /* (an unprintable message: the type alone) */
+        msg = value ? PyType_GetName(Py_TYPE(value)) : NULL;
+    }
+    if (msg && PyUnicode_GET_LENGTH(msg) > GQP_MAX_ERROR) {
+        Py_SETREF(msg, PyUnicode_Substring(msg, 0, GQP_MAX_ERROR));
+    }
+    msg = clean_text_take(msg);
     if (msg) {
         Py_XSETREF(req->error, msg);
     }
@@ -362,42 +399,91 @@ static void req_note_error(gqp_req *req, int keep_first)
 
 /* ---- finishing a request ------------------------------------------------ */
 
+static PyObject *str_open_profile;
+static PyObject *str_skipped_full, *str_observe_begin, *str_observe_end,
+    *str_observe_profile, *str_calls_of, *str_acquire_calls,
+    *str_release_calls, *str_abandoned;
 static PyObject *str_finish, *str_finalize, *str_drain_blocking,
     *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
     *str_close,
     *str_finish_where;
 
-/* The armed thread state when req (which has a profile) can be finished
- * here: begun by this thread's armed engine in this process, no observers
- * (they see the end of the response: Python). */
-static gqp_py_thread *finish_here(gqp_mw *mw, gqp_req *req)
+/* The hooks of the thread req began in, when that is the calling thread
+ * and they are still the same (not after a fork, not uninstalled): its
+ * tracer may then be used for req.  Else NULL. */
+static gqp_py_thread *req_state(gqp_req *req)
 {
-    gqp_py_thread *st = armed_state(mw);
-    if (!st || mw->slow_only || req->engine != mw->armed_eng ||
-        !req->profile ||
-        !PyObject_TypeCheck(req->profile, &gqp_profref_type) ||
-        !req->greenlet || req->greenlet == Py_None || !req->generation ||
-        PyLong_AsLong(req->generation) != mw->armed_fork_gen) {
-        PyErr_Clear();
+    gqp_py_thread *st = req->st;
+    if (!st || st != gqp__tls || st->gen != req->st_gen || !st->active ||
+        !st->tracer || !req->greenlet || req->greenlet == Py_None) {
         return NULL;
     }
     return st;
 }
 
-/* The response of req is done (closed, or the app raised).  0, or -1 with
- * an exception set (only if Python's _finish raised, which it does not
- * mean to). */
+static int has_profile(gqp_req *req)
+{
+    return req->profile && PyObject_TypeCheck(req->profile, &gqp_profref_type)
+           && ((gqp_profref *)req->profile)->p;
+}
+
+/* eng.abandoned (a forked child's copy, or an engine shut down); an
+ * error counts as abandoned. */
+static int engine_abandoned(PyObject *eng)
+{
+    PyObject *v = eng ? PyObject_GetAttr(eng, str_abandoned) : NULL;
+    int r = v ? PyObject_IsTrue(v) : 1;
+    Py_XDECREF(v);
+    PyErr_Clear();
+    return r != 0;
+}
+
+/* The engine's dict or list `name`, the armed one when eng is mw's armed
+ * engine (no lookup); a new reference or NULL. */
+static PyObject *engine_part(gqp_mw *mw, PyObject *eng, PyObject *armed,
+                             PyObject *name)
+{
+    if (eng == mw->armed_eng && armed) {
+        return Py_NewRef(armed);
+    }
+    return PyObject_GetAttr(eng, name);
+}
+
+/* The slot of req comes back (once). */
+static void req_release_slot(gqp_mw *mw, gqp_req *req)
+{
+    if (req->has_slot) {
+        req->has_slot = 0;
+        open_release(mw, req->counted_trigger);
+    }
+}
+
+static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
+                             Py_ssize_t nargs);
+
+/* Calls mw.<name>(req) (a Python hook of the lifecycle); 0, or -1 with a
+ * BaseException set that goes on (an Exception is logged). */
+static int lifecycle_hook(gqp_mw *mw, PyObject *name, gqp_req *req)
+{
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw, name,
+                                            (PyObject *)req);
+    if (!r) {
+        return internal_error(mw, str_finish_where);
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The response of req is done (closed, collected, or the app raised):
+ * its greenlet leaves the profile, observers hear of it, and the profile
+ * is finalized now (linger 0) or queued for the engine's finisher.  Every
+ * request, whatever the options, ends here.  0, or -1 with a
+ * BaseException set (raised in a hook) that goes on once req is queued or
+ * finalized. */
 static int req_finish(gqp_mw *mw, gqp_req *req)
 {
     if (req->done == Py_True) {
         return 0;
-    }
-    gqp_py_thread *st = finish_here(mw, req);
-    if (!st) {
-        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw, str_finish,
-                                                (PyObject *)req);
-        Py_XDECREF(r);
-        return r ? 0 : -1;
     }
     PyObject *end = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
     if (!end) {
@@ -405,74 +491,115 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     }
     Py_XSETREF(req->done, Py_NewRef(Py_True));
     Py_XSETREF(req->end_ns, end);
-    /* The engine's, as armed now (finish_here): allocations below may run
-     * a garbage collection, whose finalizers may let another thread
-     * re-arm mw. */
-    PyObject *eng = Py_NewRef(req->engine);
-    PyObject *lingering = Py_NewRef(mw->lingering);
-    PyObject *pending = Py_NewRef(mw->pending);
-    /* Later spans of this greenlet (the next keep-alive request) are not
-     * this request's; greenlets it spawned still are. */
-    gqp_profile *p = ((gqp_profref *)req->profile)->p;
-    attach_greenlet(st, req->greenlet, NULL);
-    if (!mw->linger) {
-        /* (_finalize drains the long spans first) */
-        PyObject *args[] = {(PyObject *)mw, eng, (PyObject *)req};
-        PyObject *r = PyObject_VectorcallMethod(str_finalize, args, 3, NULL);
-        Py_XDECREF(r);
-        Py_DECREF(eng);
-        Py_DECREF(lingering);
-        Py_DECREF(pending);
-        return r ? 0 : -1;
-    }
-    /* Wait (up to linger) for the greenlets it spawned: the engine's
-     * finisher greenlet finalizes it. */
-    uint64_t key = (uint64_t)(uintptr_t)req->greenlet;
-    gqp_tracer_set_spawn_profile(st->tracer, key, p);
-    PyObject *k = PyLong_FromVoidPtr(req->greenlet);
-    PyObject *item = k ? PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req)
-                       : NULL;
-    /* Queued first: a request lingering but not queued would never be
-     * finalized. */
-    int rc = item && PyList_Append(pending, item) == 0 ? 0 : -1;
-    if (rc == 0 && PyDict_SetItem(lingering, k, (PyObject *)req) < 0) {
-        rc = -1;   /* (queued: finalized all the same, not lingering) */
-    }
-    if (rc < 0) {
-        gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
-    }
-    Py_XDECREF(k);
-    Py_XDECREF(item);
-    Py_DECREF(lingering);
-    Py_DECREF(pending);
-    if (rc < 0) {
-        Py_DECREF(eng);
-        return -1;
-    }
-    /* Python from here on (a logging handler may switch greenlets): mw's
-     * armed state is not looked at again. */
-    if (PyList_GET_SIZE(reg_long) > 0) {
-        /* Blocking spans reported when the request ends, named after it
-         * (it stays registered until it is finalized). */
-        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
-                                                str_drain_blocking, eng);
-        if (!r && internal_error(mw, str_finish_where) < 0) {
-            Py_DECREF(eng);
-            return -1;   /* (queued: the finisher finalizes it) */
+    PyObject *eng = req->engine && req->engine != Py_None
+                        ? Py_NewRef(req->engine) : NULL;
+    gqp_py_thread *st = req_state(req);
+    int sampled = has_profile(req);
+    if (!st || !eng) {
+        /* Not in the thread (or the process) it began in: a forked
+         * child's copy is the parent's to report; another thread's goes
+         * back to its engine, whose finisher (or reaper) finalizes it. */
+        int rc = 0;
+        if (sampled && eng && !engine_abandoned(eng)) {
+            PyObject *pending = PyObject_GetAttr(eng, str_pending);
+            PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
+            rc = pending && item && PyList_Check(pending) &&
+                 PyList_Append(pending, item) == 0 ? 0 : -1;
+            Py_XDECREF(pending);
+            Py_XDECREF(item);
+            PyErr_Clear();
+        } else {
+            rc = -1;
         }
-        Py_XDECREF(r);
+        if (rc < 0) {
+            Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
+        }
+        Py_XDECREF(eng);
+        return 0;
     }
-    PyObject *woken = PyObject_GetAttr(eng, str_finisher_woken);
-    int is_woken = woken ? PyObject_IsTrue(woken) : -1;
-    Py_XDECREF(woken);
-    if (is_woken == 0) {
-        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
-                                                str_wake_finisher_soon, eng);
-        is_woken = r ? 1 : -1;
+    gqp_profile *p = sampled ? ((gqp_profref *)req->profile)->p : NULL;
+    if (sampled && !is_dead(req->greenlet)) {
+        /* Later spans of this greenlet (the next keep-alive request) are
+         * not this request's; greenlets it spawned still are.  (A dead
+         * greenlet's spans are over: attaching it would make the tracer a
+         * new entry for it.) */
+        attach_greenlet(st, req->greenlet, NULL);
+    }
+    PyObject *stop = NULL;   /* a BaseException to pass on */
+    if (mw->observers) {
+        /* Observers (OpenTelemetry) see the end of the response while
+         * their span is open: Python's hook, which also drains. */
+        if (lifecycle_hook(mw, str_observe_end, req) < 0) {
+            stop = PyErr_GetRaisedException();
+        }
+    }
+    int rc = 0;
+    if (!sampled) {
+        /* (an observed request without a profile: done with) */
+        finalize_forget(eng, req);
+    } else if (!mw->linger) {
+        PyObject *fargs[] = {eng, (PyObject *)req};
+        PyObject *r = mw_finalize(mw, fargs, 2);
+        rc = r ? 0 : -1;
         Py_XDECREF(r);
+    } else {
+        /* Wait (up to linger) for the greenlets it spawned: the engine's
+         * finisher greenlet finalizes it. */
+        PyObject *lingering = engine_part(mw, eng, mw->lingering,
+                                          str_lingering);
+        PyObject *pending = engine_part(mw, eng, mw->pending, str_pending);
+        uint64_t key = (uint64_t)(uintptr_t)req->greenlet;
+        gqp_tracer_set_spawn_profile(st->tracer, key, p);
+        PyObject *k = PyLong_FromVoidPtr(req->greenlet);
+        PyObject *item = k ? PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req)
+                           : NULL;
+        /* Queued first: a request lingering but not queued would never be
+         * finalized. */
+        rc = item && pending && PyList_Check(pending) &&
+             PyList_Append(pending, item) == 0 ? 0 : -1;
+        if (rc == 0 && lingering && PyDict_Check(lingering) &&
+            PyDict_SetItem(lingering, k, (PyObject *)req) < 0) {
+            rc = -1;   /* (queued: finalized all the same, not lingering) */
+        }
+        if (rc < 0) {
+            gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
+        }
+        Py_XDECREF(k);
+        Py_XDECREF(item);
+        Py_XDECREF(lingering);
+        Py_XDECREF(pending);
+        if (rc == 0 && PyList_GET_SIZE(reg_long) > 0 && !mw->observers) {
+            /* Blocking spans reported when the request ends, named after
+             * it (it stays registered until it is finalized). */
+            PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                    str_drain_blocking, eng);
+            if (!r && internal_error(mw, str_finish_where) < 0 && !stop) {
+                /* A BaseException (a handler that waited) goes on, once
+                 * the finisher is woken: queued but never woken, the
+                 * request would wait for the next one. */
+                stop = PyErr_GetRaisedException();
+            }
+            Py_XDECREF(r);
+        }
+        if (rc == 0) {
+            PyObject *woken = PyObject_GetAttr(eng, str_finisher_woken);
+            int is_woken = woken ? PyObject_IsTrue(woken) : -1;
+            Py_XDECREF(woken);
+            if (is_woken == 0) {
+                PyObject *r = PyObject_CallMethodOneArg(
+                    (PyObject *)mw, str_wake_finisher_soon, eng);
+                is_woken = r ? 1 : -1;
+                Py_XDECREF(r);
+            }
+            rc = is_woken < 0 ? -1 : 0;
+        }
     }
     Py_DECREF(eng);
-    return is_woken < 0 ? -1 : 0;
+    if (stop) {
+        PyErr_SetRaisedException(stop);
+        return -1;
+    }
+    return rc;
 }
 
 /* req_finish for the body wrappers and the app-raised path: an error in
@@ -538,13 +665,31 @@ static PyObject *startresp_call(gqp_startresp *self, PyObject *args,
                         "start_response(status, headers, exc_info=None)");
         return NULL;
     }
+    Py_INCREF(exc_info);   /* (cleaning the status may run Python) */
     if (self->req) {
-        Py_XSETREF(self->req->status, Py_NewRef(PyTuple_GET_ITEM(args, 0)));
+        /* The status as clean text: a bytes status is latin-1 (WSGI). */
+        PyObject *st = PyTuple_GET_ITEM(args, 0);
+        PyObject *text = PyBytes_Check(st)
+            ? PyUnicode_DecodeLatin1(PyBytes_AS_STRING(st),
+                                     PyBytes_GET_SIZE(st), NULL)
+            : str_cut(st, GQP_MAX_STATUS);
+        if (text && PyUnicode_GET_LENGTH(text) > GQP_MAX_STATUS) {
+            Py_SETREF(text, PyUnicode_Substring(text, 0, GQP_MAX_STATUS));
+        }
+        text = clean_text_take(text);
+        if (text && self->req) {
+            Py_XSETREF(self->req->status, text);
+        } else {
+            Py_XDECREF(text);
+            PyErr_Clear();   /* (never the app's error) */
+        }
     }
     PyObject *fwd[] = {PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1),
                        exc_info};
-    return PyObject_Vectorcall(self->start_response, fwd,
-                               exc_info == Py_None ? 2 : 3, NULL);
+    PyObject *r = PyObject_Vectorcall(self->start_response, fwd,
+                                      exc_info == Py_None ? 2 : 3, NULL);
+    Py_DECREF(exc_info);
+    return r;
 }
 
 static PyTypeObject gqp_startresp_type = {
@@ -587,8 +732,26 @@ static int body_clear(gqp_body *self)
     return 0;
 }
 
+/* The body is collected: a server (or a buffering middleware) that drops
+ * it without close() still ends the request, so its open-profile slot
+ * comes back. */
+static void body_finalize(gqp_body *self)
+{
+    if (!self->mw || !self->req || self->req->done == Py_True) {
+        return;
+    }
+    PyObject *exc = PyErr_GetRaisedException();
+    if (req_finish_quiet(self->mw, self->req) < 0) {
+        PyErr_Clear();   /* (nobody to pass a BaseException on to) */
+    }
+    PyErr_SetRaisedException(exc);
+}
+
 static void body_dealloc(gqp_body *self)
 {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) {
+        return;   /* resurrected by the finalizer */
+    }
     PyObject_GC_UnTrack(self);
     body_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -677,6 +840,7 @@ static PyTypeObject gqp_iterbody_type = {
     .tp_iter = body_iter_self,
     .tp_iternext = (iternextfunc)body_iternext,
     .tp_methods = body_methods,
+    .tp_finalize = (destructor)body_finalize,
 };
 
 /* A list or tuple body: sized like the app's (servers use len() for
@@ -694,6 +858,7 @@ static PyTypeObject gqp_seqbody_type = {
     .tp_iter = (getiterfunc)seq_iter,
     .tp_as_sequence = &seq_as_sequence,
     .tp_methods = body_methods,
+    .tp_finalize = (destructor)body_finalize,
 };
 
 static gqp_body *body_new(PyTypeObject *type, PyObject *result, gqp_mw *mw,
@@ -727,7 +892,7 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
     sr->req = (gqp_req *)Py_NewRef((PyObject *)req);
     sr->start_response = Py_NewRef(start_response);
     PyObject_GC_Track(sr);
-    PyObject *result = call2(mw->app, environ, (PyObject *)sr);
+    PyObject *result = call_app(mw, environ, (PyObject *)sr);
     Py_DECREF(sr);
     if (!result) {
         req_note_error(req, 0);
@@ -783,59 +948,151 @@ static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
     return run_profiled(self, (gqp_req *)args[0], args[1], args[2]);
 }
 
-/* str(environ[key])[:max], "" when missing; NULL with an exception set. */
-static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
+/* environ[key] as a new reference, NULL when missing (any mapping; an
+ * exact dict without a Python call). */
+static PyObject *environ_get(PyObject *environ, PyObject *key)
 {
-    PyObject *v = PyDict_GetItemWithError(environ, key);
-    if (!v) {
-        return PyErr_Occurred() ? NULL : Py_NewRef(str_empty);
+    PyObject *v;
+    if (PyDict_Check(environ)) {
+        v = PyDict_GetItemWithError(environ, key);
+        Py_XINCREF(v);
+    } else {
+        v = PyObject_GetItem(environ, key);
     }
-    return str_cut(v, max);
+    PyErr_Clear();
+    return v;
 }
 
-/* A new Request for the running greenlet of st, sampled into a fresh
- * profile; NULL (and no exception) when this case is not for C: the
- * caller hands the request to Python, which also reports failures. */
-static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
-                              PyObject *environ)
+/* str(environ[key])[:max], cleaned, "" when missing; NULL with an
+ * exception set.  (The value is held while its __str__ runs.) */
+static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
 {
-    if (self->calls || self->slow_only || !self->armed_eng ||
-        !self->profile_type || self->open >= self->max_open) {
+    PyObject *v = environ_get(environ, key);
+    if (!v) {
+        return Py_NewRef(str_empty);
+    }
+    PyObject *r = str_cut(v, max);
+    Py_DECREF(v);
+    return r;
+}
+
+/* One more profile slot for a request sampled by `trigger` or not
+ * (max_open, or the trigger reserve): 1 if taken. */
+static int slot_acquire(gqp_mw *self, int trigger)
+{
+    if (trigger) {
+        if (self->trigger_open >= GQP_TRIGGER_SLOTS) {
+            return 0;
+        }
+        self->trigger_open++;
+        return 1;
+    }
+    if (self->open >= self->max_open) {
+        return 0;
+    }
+    self->open++;
+    return 1;
+}
+
+/* Undoes open_request's registration of req (a hook raised): its profile
+ * closed and dropped, its slot back.  The exception set stays set. */
+static void request_unregister(gqp_mw *self, gqp_py_thread *st,
+                               gqp_req *req, int calls_acquired)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    if (has_profile(req)) {
+        if (st == gqp__tls && st->active && st->tracer) {
+            attach_greenlet(st, req->greenlet, NULL);
+            profile_window(st, -1);
+        }
+        gqp_profile *p = ((gqp_profref *)req->profile)->p;
+        if (!gqp_profile_is_closed(p)) {
+            gqp_profile_close(p);
+        }
+        if (calls_acquired) {
+            PyObject *r = PyObject_CallMethodNoArgs(req->engine,
+                                                    str_release_calls);
+            Py_XDECREF(r);
+        }
+    }
+    req_release_slot(self, req);
+    Py_XSETREF(req->done, Py_NewRef(Py_True));
+    if (req->engine) {
+        finalize_forget(req->engine, req);
+    }
+    PyErr_SetRaisedException(exc);
+}
+
+/* Begins a request for the running greenlet of st (this thread's armed
+ * hooks): sampled_by is "pct", "trigger" or None (seen by observers
+ * only).  A sampled request takes a slot (max_open, or the trigger
+ * reserve; else it is counted in skipped_full and goes unsampled), a new
+ * profile, the narrowed CPU window, its greenlet attached; with calls,
+ * the call hook (the engine's acquire_calls); observers hear of it
+ * (_observe_begin).  Every profiled or observed request begins here.
+ * Returns the new request; NULL and no exception when it is not
+ * followed (the app then runs unprofiled); NULL with an exception (a
+ * BaseException from an observer) to pass on. */
+static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
+                             PyObject *environ, PyObject *sampled_by)
+{
+    int sampled = sampled_by != Py_None;
+    int trigger = sampled && sampled_by != str_pct &&
+                  PyUnicode_Check(sampled_by) &&
+                  PyUnicode_CompareWithASCIIString(sampled_by, "trigger") == 0;
+    if (!self->armed_eng || !self->profile_type) {
+        return NULL;
+    }
+    int slot = 0;
+    if (sampled) {
+        slot = slot_acquire(self, trigger);
+        if (!slot) {
+            count_stat(self, str_skipped_full);
+            sampled = 0;
+            sampled_by = Py_None;
+        }
+    }
+    if (!sampled && !self->observers) {
         return NULL;
     }
     gqp_req *req = PyObject_GC_New(gqp_req, &gqp_req_type);
     if (!req) {
         PyErr_Clear();
+        if (slot) {
+            open_release(self, trigger);
+        }
         return NULL;
     }
     memset((char *)req + sizeof(PyObject), 0,
            sizeof(gqp_req) - sizeof(PyObject));
     PyObject_GC_Track(req);
-    PyObject *rid = PyDict_GetItemWithError(environ, str_rid_key);
-    Py_XINCREF(rid);   /* (its __bool__ may change environ) */
+    req->has_slot = (char)slot;
+    req->counted_trigger = (char)trigger;
+    PyObject *rid = environ_get(environ, str_rid_key);
     if (rid && PyObject_IsTrue(rid) == 1) {
         req->request_id = str_cut(rid, GQP_NOTE_MAX_RID);
     } else {
         req->request_id = Py_NewRef(Py_None);
     }
     Py_XDECREF(rid);
+    PyErr_Clear();
     req->method = environ_str(environ, str_method_key, GQP_NOTE_MAX_METHOD);
     req->path = environ_str(environ, str_path_key, GQP_NOTE_MAX_PATH);
-    req->profile = profref_make(self->profile_type, self->max_spans);
+    req->profile = sampled ? profref_make(self->profile_type, self->max_spans)
+                           : Py_NewRef(Py_None);
     if (!req->request_id || !req->method || !req->path || !req->profile) {
         goto fail;
     }
     /* The running greenlet, as greenlet knows it (the tracer's idea of it
-     * would be stale if another tool replaced the switch hook), and still
-     * this thread's armed state (str() of an environ value runs code). */
+     * would be stale if another tool replaced the switch hook: the attach
+     * below then names this one), and still this thread's armed state
+     * (str() of an environ value runs code). */
     PyObject *g = PyObject_CallNoArgs(greenlet_getcurrent);
-    uint64_t key = 0;
-    if (!g || st != armed_state(self) ||
-        gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK ||
-        key != (uint64_t)(uintptr_t)g) {
+    if (!g || st != armed_state(self)) {
         Py_XDECREF(g);
         goto fail;
     }
+    uint64_t key = (uint64_t)(uintptr_t)g;
     Py_DECREF(g);   /* (the running greenlet is alive: req takes a ref) */
     /* What the armed state is now: allocations below may run a garbage
      * collection, whose finalizers may let another thread re-arm self. */
@@ -845,67 +1102,157 @@ static gqp_req *sampled_begin(gqp_mw *self, gqp_py_thread *st,
     req->start_ns = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
     req->blocking = PyList_New(0);
     req->generation = PyLong_FromLong(self->armed_fork_gen);
-    if (!req->start_ns || !req->blocking || !req->generation) {
+    req->observed = self->observers ? PyList_New(0) : Py_NewRef(Py_None);
+    if (!req->start_ns || !req->blocking || !req->generation ||
+        !req->observed) {
         goto fail_armed;
     }
-    gqp_profile *p = ((gqp_profref *)req->profile)->p;
-    int64_t gid = attach_greenlet(st, g, p);
-    if (gid <= 0) {
-        if (gid == 0) {
+    int64_t gid;
+    gqp_profile *p = NULL;
+    if (sampled) {
+        p = ((gqp_profref *)req->profile)->p;
+        /* The CPU window narrows before the attach, whose reading of the
+         * CPU clock opens the profile's first span: that reading is then
+         * fresh (at most one narrow window old), not an estimate made
+         * while the thread may have been off CPU for up to the idle
+         * window. */
+        profile_window(st, 1);
+        gid = attach_greenlet(st, g, p);
+        if (gid <= 0) {
+            if (gid == 0) {
+                attach_greenlet(st, g, NULL);
+            }
+            lib_error("gqp_tracer_attach", gid < 0 ? (int)gid : GQP_ENOMEM);
+            goto fail_window;
+        }
+    } else {
+        uint64_t id = 0;
+        gqp_tracer_greenlet_id(st->tracer, key, &id);
+        gid = (int64_t)(id & INT64_MAX);
+    }
+    req->gid = gid > 0 ? PyLong_FromLongLong(gid) : Py_NewRef(Py_None);
+    req->addr = p ? PyLong_FromVoidPtr(p) : Py_NewRef(Py_None);
+    if (!req->gid || !req->addr ||
+        (gid > 0 && PyDict_SetItem(requests, req->gid,
+                                   (PyObject *)req) < 0)) {
+        if (p) {
             attach_greenlet(st, g, NULL);
         }
-        goto fail_armed;
+        goto fail_window;
     }
-    req->gid = PyLong_FromLongLong(gid);
-    req->addr = PyLong_FromVoidPtr(p);
-    if (!req->gid || !req->addr ||
-        PyDict_SetItem(requests, req->gid, (PyObject *)req) < 0) {
-        attach_greenlet(st, g, NULL);
-        goto fail_armed;
-    }
-    if (PyDict_SetItem(by_addr, req->addr, (PyObject *)req) < 0) {
+    if (p && PyDict_SetItem(by_addr, req->addr, (PyObject *)req) < 0) {
         attach_greenlet(st, g, NULL);
         PyDict_DelItem(requests, req->gid);
-        goto fail_armed;
+        goto fail_window;
     }
     Py_DECREF(requests);
     Py_DECREF(by_addr);
     req->greenlet = Py_NewRef(g);
     req->engine = eng;
-    req->sampled_by = Py_NewRef(str_pct);
+    req->owner = Py_NewRef((PyObject *)self);
+    req->sampled_by = Py_NewRef(sampled_by);
     req->status = Py_NewRef(Py_None);
     req->error = Py_NewRef(Py_None);
     req->done = Py_NewRef(Py_False);
-    req->observed = Py_NewRef(Py_None);
     req->end_ns = Py_NewRef(Py_None);
-    self->open++;
-    profile_window(st, 1);
-    count_stat(self, str_sampled);
+    req->st = st;
+    req->st_gen = st->gen;
+    int calls_acquired = 0;
+    if (p && self->calls) {
+        /* The call hook is on while a sampled request wants calls. */
+        PyObject *r = PyObject_CallMethodNoArgs(eng, str_acquire_calls);
+        if (!r) {
+            internal_error(self, str_begin);
+            request_unregister(self, st, req, 0);
+            PyErr_Clear();
+            Py_DECREF(req);
+            return NULL;
+        }
+        Py_DECREF(r);
+        calls_acquired = 1;
+    }
+    if (p) {
+        count_stat(self, str_sampled);
+    }
+    if (self->observers) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
+                                                str_observe_begin,
+                                                (PyObject *)req);
+        if (!r) {
+            /* (a GreenletExit or Timeout in an observer that waited: the
+             * request never runs, and releases what it took) */
+            request_unregister(self, st, req, calls_acquired);
+            Py_DECREF(req);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
     return req;
+fail_window:
+    if (p) {
+        profile_window(st, -1);
+    }
 fail_armed:
     Py_DECREF(eng);
     Py_DECREF(requests);
     Py_DECREF(by_addr);
 fail:
-    PyErr_Clear();
+    /* (logged once and counted, like every internal error; the request
+     * runs unprofiled) */
+    if (PyErr_Occurred() && internal_error(self, str_open_profile) < 0) {
+        PyErr_Clear();
+    }
+    req_release_slot(self, req);
     Py_DECREF(req);
     return NULL;
 }
 
-/* The C path's sampled request: begun here when it can be, else by
- * Python's _call_slow (told the draw said: sample). */
+/* The C path's sampled request (the draw said: sample): begun here when
+ * the thread is armed, else by Python's _call_slow (which sets the
+ * thread up). */
 static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
                               PyObject *environ, PyObject *start_response)
 {
-    gqp_req *req = st ? sampled_begin(self, st, environ) : NULL;
-    if (!req) {
+    if (!st) {
         PyObject *args[] = {(PyObject *)self, environ, start_response,
                             str_pct};
         return PyObject_VectorcallMethod(str_call_slow, args, 4, NULL);
     }
+    gqp_req *req = open_request(self, st, environ, str_pct);
+    if (!req) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        /* Not sampled after all (max_open reached) */
+        if (self->blocking && (st = armed_state(self))) {
+            note_unsampled(st, environ);
+        }
+        return call_app(self, environ, start_response);
+    }
     PyObject *r = run_profiled(self, req, environ, start_response);
     Py_DECREF(req);
     return r;
+}
+
+/* MiddlewareBase._begin_request(environ, sampled_by): Python's policy
+ * decided (the trigger header, a draw, observers): the request begins in
+ * open_request, on this thread's armed hooks.  The Request, or None when
+ * it is not followed. */
+static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs)
+{
+    if (want_args(nargs, 2, "_begin_request") < 0) {
+        return NULL;
+    }
+    gqp_py_thread *st = armed(self);
+    gqp_req *req = st ? open_request(self, st, args[0], args[1]) : NULL;
+    if (!req) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)req;
 }
 
 /* ---- finalizing: the profile becomes a RequestProfile ------------------ */
@@ -918,7 +1265,9 @@ static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
     *str_f_method, *str_f_path, *str_f_status, *str_f_start, *str_f_end,
     *str_f_wall, *str_f_calls, *str_f_dropped_spans, *str_f_dropped_calls,
     *str_f_blocking, *str_f_clock, *str_f_sampled_by, *str_f_request_id,
-    *str_f_pid, *str_f_hostname, *str_f_error;
+    *str_f_pid, *str_f_hostname, *str_f_error, *str_f_notes,
+    *str_f_truncated;
+
 
 /* The RequestProfile of req (its response ended), from the profile of
  * tracer's thread.  Only what must be read now is read now, by
@@ -976,6 +1325,12 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
         {str_f_pid, pid},
         {str_f_hostname, Py_XNewRef(mw->hostname)},
         {str_f_error, Py_XNewRef(req->error)},
+        {str_f_notes, req->notes && PyList_Check(req->notes)
+                          ? PyList_GetSlice(req->notes, 0,
+                                            PyList_GET_SIZE(req->notes))
+                          : PyList_New(0)},
+        {str_f_truncated, Py_NewRef(req->truncated == Py_True ? Py_True
+                                                              : Py_False)},
         {str_loader, loader},
     };
     size_t n = sizeof kv / sizeof kv[0];
@@ -1045,14 +1400,6 @@ static int deliver(gqp_mw *mw, PyObject *profile)
     return 0;
 }
 
-/* The armed thread state when req's _finalize can run here (in C), else
- * NULL: the common case of finish_here, with calls off. */
-static gqp_py_thread *finalize_here(gqp_mw *mw, PyObject *eng, gqp_req *req)
-{
-    return rp_type && rp_loader && !mw->calls && eng == mw->armed_eng
-           ? finish_here(mw, req) : NULL;
-}
-
 /* _finalize's end (Python's finally:): req is done with, and leaves the
  * engine's dicts.  Looked up again, since a sink ran Python.  An
  * exception set on entry stays set. */
@@ -1071,14 +1418,16 @@ static void finalize_forget(PyObject *eng, gqp_req *req)
 }
 
 /* MiddlewareBase._finalize(engine, request): closes the request's profile,
- * builds its RequestProfile and delivers it, here for the common case
- * (this thread's armed engine, no observers, calls off), else through
- * Python's _finalize_py.  Once per request: the first call takes it on
- * (req.finalizing) before any Python runs, since a drain or a sink may
- * switch greenlets and flush() or the finisher then come for the same
- * request.  A BaseException raised in a drain or a sink (a
- * gevent.Timeout, GreenletExit) goes on once the request is released,
- * undelivered if it came before the sink. */
+ * builds its RequestProfile and delivers it; every profile ends here
+ * (from the end of the response, the finisher, flush(), max_lifetime).
+ * Python is called for what is the user's: function statistics (calls),
+ * observers, and delivery other than a plain sink.  Once per request: the
+ * first call takes it on (req.finalizing) before any Python runs, since a
+ * drain or a sink may switch greenlets and flush() or the finisher then
+ * come for the same request.  A BaseException raised in a drain or a sink
+ * (a gevent.Timeout, GreenletExit) goes on once the request is released,
+ * undelivered if it came before the sink.  A request of another thread
+ * is left for its own (its tracer cannot be read here). */
 static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
                              Py_ssize_t nargs)
 {
@@ -1093,67 +1442,103 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     if (!req->greenlet || req->greenlet == Py_None || req->finalizing) {
         Py_RETURN_NONE;   /* finalized (flush() before linger), or being */
     }
+    PyObject *eng = req->engine && req->engine != Py_None ? req->engine
+                                                          : args[0];
+    gqp_py_thread *st = req_state(req);
+    if (!st || !has_profile(req) || !rp_type || !rp_loader) {
+        if (st || engine_abandoned(eng)) {
+            /* (a forked child's copy of the parent's request, or no
+             * profile: nothing to deliver here) */
+            req->finalizing = 1;
+            Py_INCREF(req);
+            req_release_slot(self, req);
+            finalize_forget(eng, req);
+            Py_DECREF(req);
+        }
+        Py_RETURN_NONE;
+    }
     req->finalizing = 1;
-    PyObject *eng = args[0];
     Py_INCREF(req);
     Py_INCREF(eng);
     PyObject *stop = NULL;   /* a BaseException from the drain */
-    gqp_py_thread *st = finalize_here(self, eng, req);
-    if (st && PyList_GET_SIZE(reg_long) > 0) {
+    if (PyList_GET_SIZE(reg_long) > 0) {
         /* Drained while the request is still registered, so its blocking
-         * spans are named after it.  That ran Python: checked again. */
+         * spans are named after it. */
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
                                                 str_drain_blocking, eng);
         if (!r && internal_error(self, str_finish_where) < 0) {
             stop = PyErr_GetRaisedException();
         }
         Py_XDECREF(r);
-        st = finalize_here(self, eng, req);
     }
     PyObject *res = NULL;
-    if (!st) {
-        PyObject *fwd[] = {(PyObject *)self, eng, args[1]};
-        res = PyObject_VectorcallMethod(str_finalize_py, fwd, 3, NULL);
-        goto done;
-    }
     PyObject *g = Py_NewRef(req->greenlet);
     gqp_profref *prof = (gqp_profref *)Py_NewRef(req->profile);
     /* No longer lingering: what g spawns from now on is not this
-     * request's. */
+     * request's.  (The drain ran Python: the hooks are looked at again.) */
+    st = req_state(req);
+    PyObject *lingering = engine_part(self, eng, self->lingering,
+                                      str_lingering);
     PyObject *k = PyLong_FromVoidPtr(g);
-    PyObject *ling = k ? PyDict_GetItemWithError(self->lingering, k) : NULL;
-    if (ling == (PyObject *)req && PyDict_DelItem(self->lingering, k) == 0 &&
-        !is_dead(g)) {
+    PyObject *ling = k && lingering && PyDict_Check(lingering)
+                         ? PyDict_GetItemWithError(lingering, k) : NULL;
+    if (ling == (PyObject *)req && PyDict_DelItem(lingering, k) == 0 &&
+        st && !is_dead(g)) {
         gqp_tracer_set_spawn_profile(st->tracer, (uint64_t)(uintptr_t)g,
                                      NULL);
     }
     Py_XDECREF(k);
+    Py_XDECREF(lingering);
     PyErr_Clear();
     if (prof->p && !gqp_profile_is_closed(prof->p)) {
         gqp_profile_close(prof->p);
     }
-    profile_window(st, -1);
-    if (self->open > 0) {
-        self->open--;
+    if (st) {
+        profile_window(st, -1);
     }
+    req_release_slot(self, req);
     int ok = 1;
-    if (!stop) {
+    PyObject *calls = NULL;
+    if (self->calls) {
+        /* The function table (Python: filtered of greqprof's own
+         * frames), then the call hook off unless another request wants
+         * it. */
+        calls = PyObject_CallMethodOneArg((PyObject *)self, str_calls_of,
+                                          (PyObject *)req);
+        if (!calls) {
+            ok = internal_error(self, str_finish_where) == 0;
+        }
+        PyObject *r = PyObject_CallMethodNoArgs(eng, str_release_calls);
+        if (!r) {
+            ok = internal_error(self, str_finish_where) == 0 && ok;
+        }
+        Py_XDECREF(r);
+    }
+    if (!stop && ok && st) {
         PyObject *tracer = PyLong_FromVoidPtr(st->tracer);
         PyObject *profile = tracer
-            ? build_profile(self, tracer, req, 0, Py_None) : NULL;
+            ? build_profile(self, tracer, req, 0, calls ? calls : Py_None)
+            : NULL;
         Py_XDECREF(tracer);
         if (profile) {
             ok = deliver(self, profile) == 0;
+            if (ok && self->observers) {
+                PyObject *r = PyObject_CallMethodObjArgs(
+                    (PyObject *)self, str_observe_profile, (PyObject *)req,
+                    profile, NULL);
+                ok = r || internal_error(self, str_finish_where) == 0;
+                Py_XDECREF(r);
+            }
             Py_DECREF(profile);
         } else {
             ok = internal_error(self, str_finish_where) == 0;
         }
     }
+    Py_XDECREF(calls);
     finalize_forget(eng, req);
     Py_DECREF(prof);
     Py_DECREF(g);
     res = ok ? Py_NewRef(Py_None) : NULL;
-done:
     if (stop) {
         Py_XDECREF(res);
         res = NULL;
@@ -1312,10 +1697,24 @@ static PyObject *set_spawn_profile_py(PyObject *self, PyObject *const *args,
 
 /* ---- the middleware's counters of open profiles ------------------------- */
 
-/* _open_acquire(): one more sampled profile open, if max_open allows. */
-static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused)
+/* _open_acquire(trigger=False): one more sampled profile open, if
+ * max_open allows; a trigger-header request takes one of its own reserve
+ * of GQP_TRIGGER_SLOTS instead, so ordinary sampling holding every slot
+ * (long streams) never refuses it. */
+static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
 {
-    (void)unused;
+    int trigger = nargs > 0 ? PyObject_IsTrue(args[0]) : 0;
+    if (trigger < 0) {
+        return NULL;
+    }
+    if (trigger) {
+        if (self->trigger_open >= GQP_TRIGGER_SLOTS) {
+            Py_RETURN_FALSE;
+        }
+        self->trigger_open++;
+        Py_RETURN_TRUE;
+    }
     if (self->open >= self->max_open) {
         Py_RETURN_FALSE;
     }
@@ -1323,19 +1722,39 @@ static PyObject *mw_open_acquire(gqp_mw *self, PyObject *unused)
     Py_RETURN_TRUE;
 }
 
-static PyObject *mw_open_release(gqp_mw *self, PyObject *unused)
+/* The slot of req (sampled by the trigger header or not) comes back. */
+static void open_release(gqp_mw *self, int trigger)
 {
-    (void)unused;
-    if (self->open > 0) {
+    if (trigger && self->trigger_open > 0) {
+        self->trigger_open--;
+    } else if (!trigger && self->open > 0) {
         self->open--;
     }
+}
+
+static int is_trigger(gqp_req *req)
+{
+    return req->sampled_by && req->sampled_by != str_pct &&
+           PyUnicode_Check(req->sampled_by) &&
+           PyUnicode_CompareWithASCIIString(req->sampled_by, "trigger") == 0;
+}
+
+/* _open_release(trigger=False) */
+static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
+{
+    int trigger = nargs > 0 ? PyObject_IsTrue(args[0]) : 0;
+    if (trigger < 0) {
+        return NULL;
+    }
+    open_release(self, trigger);
     Py_RETURN_NONE;
 }
 
 static PyObject *mw_get_open(gqp_mw *self, void *closure)
 {
     (void)closure;
-    return PyLong_FromLong(self->open);
+    return PyLong_FromLong(self->open + self->trigger_open);
 }
 
 static int mw_set_open(gqp_mw *self, PyObject *value, void *closure)
@@ -1350,6 +1769,7 @@ static int mw_set_open(gqp_mw *self, PyObject *value, void *closure)
         return -1;
     }
     self->open = (int)v;
+    self->trigger_open = 0;
     return 0;
 }
 
@@ -1390,7 +1810,16 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_f_blocking, "blocking"}, {&str_f_clock, "clock"},
         {&str_f_sampled_by, "sampled_by"}, {&str_f_request_id, "request_id"},
         {&str_f_pid, "pid"}, {&str_f_hostname, "hostname"},
-        {&str_f_error, "error"},
+        {&str_f_error, "error"}, {&str_f_notes, "notes"},
+        {&str_f_truncated, "truncated"},
+        {&str_skipped_full, "skipped_full"},
+        {&str_observe_begin, "_observe_begin"},
+        {&str_observe_end, "_observe_end"},
+        {&str_observe_profile, "_observe_profile"},
+        {&str_calls_of, "_calls_of"},
+        {&str_acquire_calls, "acquire_calls"},
+        {&str_release_calls, "release_calls"},
+        {&str_abandoned, "abandoned"}, {&str_open_profile, "open profile"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

@@ -89,6 +89,8 @@ class Engine:
         # profile address -> (method, path, request_id) of sampled requests
         self.profile_requests = {}
         self.drain_started = False
+        # the greenlet closing profiles open longer than max_lifetime
+        self.reaper_started = False
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
         # sampled requests waiting for their greenlets, and the greenlet
@@ -142,13 +144,31 @@ def engine_for_thread(config):
             eng.tracer.set(_lowlevel.lib.GQP_TRACER_LONG_SPAN_NS,
                            config.blocking_ns, "long span")
         return eng
-    eng = Engine(config)
+    eng = _new_engine(config)
     _local.engine = eng
     with _engines_lock:
         _engines[eng.thread_ident] = eng
     if config.watchdog and config.blocking_ns:
         Watchdog.ensure(config.blocking_ns)
     return eng
+
+
+def _new_engine(config):
+    """A new engine for the calling thread.  A Profiler running in the
+    thread (a thread has one set of hooks) gives way: its session goes on
+    through the engine's tracer (profiler._Session.share)."""
+    from .errors import ProfilerStateError
+    try:
+        return Engine(config)
+    except ProfilerStateError:
+        from .profiler import _session_of_thread
+        session = _session_of_thread(real_get_ident())
+        if session is None:
+            raise
+        session.tracer.uninstall()
+        eng = Engine(config)
+        session.share(eng)
+        return eng
 
 
 def fork_generation():

@@ -1,5 +1,6 @@
 """ProfilingMiddleware: per-request, greenlet-aware profiles for WSGI apps
 served by gevent, plus blocking alerts for every request."""
+import atexit
 import hmac
 import json
 import logging
@@ -8,6 +9,7 @@ import os
 import random
 import socket
 import weakref
+from time import monotonic as _monotonic
 
 from . import _collect, _lowlevel, _registry
 from ._lowlevel import NS, RequestRawProfile
@@ -26,6 +28,8 @@ except ImportError:  # pragma: no cover - greenlet is a dependency
     raise
 
 MAX_PATH = 2048
+#: environ key with the outermost ProfilingMiddleware of a request
+MARK_KEY = "greqprof.middleware"
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MAX_REQUEST_ID = 200
 
@@ -103,10 +107,16 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         ``trigger_secret`` (compared in constant time), profiles that one
         request regardless of ``pct``.  Off unless both are given.
     :param max_open: sampled profiles open at once; beyond it requests are
-        not sampled (counted in ``stats['skipped_full']``).
+        not sampled (counted in ``stats['skipped_full']``).  Trigger-header
+        requests have 8 slots of their own besides, so ordinary sampling
+        (long streams) never takes theirs.
     :param report: log the text/JSON report of sampled requests.
     :param watchdog: run a watchdog thread that captures what a blocking
         greenlet is running while it holds the loop.
+    :param max_lifetime: seconds a sampled request's profile may stay
+        open (default 60): a longer request (a stream, a long poll) has its
+        profile closed and delivered then, with ``truncated=True``, and
+        its slot freed.
     :param linger: after the response ends, wait up to this many seconds
         for greenlets the request spawned (joined or not) before the
         profile is closed and reported; 0 reports at once (greenlets not
@@ -131,8 +141,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  max_open=64, report=True, watchdog=True, linger=UNSET,
                  profile_dir=UNSET, formats=UNSET, ui_path=None, ui_allow=None,
                  ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
-                 otel_spans=UNSET,
-                 observers=(), environ=None):
+                 otel_spans=UNSET, observers=(), environ=None,
+                 max_lifetime=60.0):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -163,6 +173,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 self.observers.append(
                     OtelObserver(child_spans=opts["otel_spans"]))
             self.linger = linger
+            self.max_lifetime = max_lifetime
             self.config = _Config(pct, calls, clock, blocking_ms, max_spans,
                                   stacks, watchdog, max_open)
             if sink is not None and not callable(sink):
@@ -216,11 +227,30 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                              cfg.max_open, cfg.max_spans, RequestRawProfile)
             self._finalize_setup(RequestProfile, _collect.request_records,
                                  cfg.clock, self.hostname)
+            self._lifecycle_setup(bool(self.observers))
 
         try:
             configure()
         except ConfigError as e:
             raise config.name_source(e, sources) from None
+
+    @property
+    def max_lifetime(self):
+        """Seconds a sampled request's profile may stay open: past it, the
+        profile is closed, delivered with ``truncated=True`` and its slot
+        freed, though the request goes on (a long stream, a long poll)."""
+        return self._max_lifetime
+
+    @max_lifetime.setter
+    def max_lifetime(self, seconds):
+        if isinstance(seconds, bool) or \
+                not isinstance(seconds, (int, float)) or \
+                not math.isfinite(seconds) or not 0 < seconds <= 1e6:
+            raise ConfigError("max_lifetime must be a number of seconds "
+                              "from 0 (excluded) to 1e6, got %r"
+                              % (seconds,))
+        self._max_lifetime = float(seconds)
+        self._max_lifetime_ns = int(seconds * 1e9)
 
     @property
     def linger(self):
@@ -234,25 +264,18 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         self._set_linger(float(linger))
         self._linger = float(linger)
 
-    def flush(self):
+    def flush(self, timeout=None):
         """Finishes, at once, the profiles of this thread that are still
         waiting for their requests' greenlets (see ``linger``), so nothing
         is lost when a worker exits: those of every middleware the thread
-        serves, each delivered by its own.  Returns how many."""
-        from .engine import current_engine
-        eng = current_engine()
-        if eng is None:
-            return 0
-        n = 0
-        # pending, not lingering: a request whose greenlet went on to its
-        # next request left lingering but still waits for its children.
-        # Each by its own middleware (several may share the thread).
-        for mw, req in list(eng.pending):
-            if req.profile is not None and req.greenlet is not None and \
-                    not req.finalizing:
-                mw._finalize(eng, req)
-                n += 1
-        return n
+        serves, each delivered by its own.  ``timeout``: seconds after
+        which the rest is given up (a sink that hangs cannot hold the
+        exit); None: no limit.  Returns how many were delivered.
+
+        It also runs by itself at interpreter exit (``atexit``, for the
+        thread that exits) and, under ``python -m greqprof serve``, on
+        SIGTERM and SIGINT."""
+        return flush_thread(timeout)
 
     def __repr__(self):
         # Never show the trigger secret.
@@ -271,6 +294,17 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         (the trigger header, the inspector, observers, a thread not set up
         yet), which Python decides."""
         req = None
+        if self.enabled and not isinstance(environ, dict):
+            # (an exact dict is marked by the C path)
+            try:
+                outer = environ.get(MARK_KEY)
+                if outer is not None and outer is not self:
+                    self._defer(outer)
+                    return self.app(environ, start_response)
+                if outer is None:
+                    environ[MARK_KEY] = self
+            except Exception:
+                pass
         if self.enabled:  # (GREQPROF_ENABLED=0: a plain pass-through)
             try:
                 req = self._begin(environ, drawn)
@@ -281,6 +315,20 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if req is _INSPECTOR:
             return self.inspector(environ, start_response)  # not profiled
         return self._call_profiled(req, environ, start_response)
+
+    def _defer(self, outer):
+        """This middleware serves requests that another ProfilingMiddleware
+        around it profiles already: it passes them through (once logged)."""
+        if getattr(self, "_deferring", False):
+            return
+        self._deferring = True
+        try:
+            self.log.warning(
+                "greqprof: this ProfilingMiddleware is wrapped in another "
+                "one (%r); it passes requests through and the outer one "
+                "profiles them", outer)
+        except Exception:
+            pass
 
     # _call_profiled(req, environ, start_response) is MiddlewareBase's, in
     # C (_sampled.c): the app runs with a C start_response and its body is
@@ -300,9 +348,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         return None
 
     def _begin(self, environ, drawn=None):
-        """None for a request that is not profiled (the common case), else
-        the open request (or _INSPECTOR).  drawn: the C path already drew
-        (and counted) this request, sampled by that."""
+        """The policy of a request the C path does not decide by itself:
+        None for a request that is not followed (the common case), else
+        the open request begun by the C lifecycle (or _INSPECTOR).
+        drawn: the C path already drew (and counted) this request, sampled
+        by that."""
         cfg = self.config
         if drawn is not None:
             sampled_by = drawn
@@ -311,93 +361,59 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 return _INSPECTOR
             self.stats["requests"] += 1
             sampled_by = self._sample(environ)
-        if sampled_by is None:
-            if cfg.blocking_ns and not self.observers:
+        if sampled_by is None and not self.observers:
+            if cfg.blocking_ns:
                 self._note_unsampled(environ)
-                return None
-            if not cfg.blocking_ns:
+            else:
                 # What the greenlet spawns now is not its previous,
                 # lingering request's.
                 eng = _engine.current_engine()
                 if eng is not None and eng.lingering:
                     self._stop_lingering(eng, getcurrent())
-                return None
+            return None
         eng = engine_for_thread(cfg)
         self._join(eng)
-        g = getcurrent()
-        req = _OpenRequest()
-        req.generation = _engine.fork_generation()
-        req.greenlet = g
-        # (clean text: greqprof/_text.py; bytes are read as latin-1)
-        req.method = clean(environ.get("REQUEST_METHOD") or "")[:32]
-        req.path = clean(environ.get("PATH_INFO") or "")[:MAX_PATH]
-        rid = environ.get("HTTP_X_REQUEST_ID")
-        req.request_id = clean(rid)[:MAX_REQUEST_ID] if rid else None
-        req.status = None
-        req.error = None
-        req.done = False
-        req.profile = None
-        req.addr = None
-        req.blocking = []
-        req.observed = None
-        req.sampled_by = sampled_by
-        req.engine = eng
-        if eng.lingering:
-            self._stop_lingering(eng, g)
-        if sampled_by is not None and not self._open_acquire():
-            self.stats["skipped_full"] += 1
-            sampled_by = req.sampled_by = None
-        req.start_ns = _lowlevel.wall_ns()
-        req.gid = None
-        if sampled_by is not None:
-            try:
-                rp = RequestRawProfile.for_request(cfg.max_spans)
-                req.gid = eng.tracer.attach_id(g, rp.addr)
-                req.profile = rp
-                req.addr = rp.addr
-                eng.profile_opened()
-                try:
-                    if cfg.calls:
-                        eng.acquire_calls()
-                except Exception:
-                    eng.tracer.attach_id(g, 0)
-                    raise
-                self.stats["sampled"] += 1
-            except Exception as e:
-                self._open_release()
-                req.profile = req.addr = None
-                req.sampled_by = None
-                self._internal_error("open profile", e)
-        if req.gid is None:
-            req.gid = _registry.greenlet_id(eng.tracer.addr, g) or None
-        if req.gid is not None:
-            eng.requests[req.gid] = req
-        if req.profile is not None:
-            eng.profile_requests[req.addr] = req
-        if self.observers:
-            req.observed = []
-            try:
-                for obs in self.observers:
-                    self._notify(obs, "on_begin", req)
-            except BaseException:
-                # (a GreenletExit or Timeout in an observer that waited:
-                # the request never runs, and releases what it took)
-                self._unregister(eng, req)
-                raise
-        return req
+        # (C: the one place a followed request begins, _sampled.c's
+        # open_request; it calls back _observe_begin)
+        return self._begin_request(environ, sampled_by)
 
-    def _unregister(self, eng, req):
-        """Undoes _begin's registration of req (its profile dropped)."""
-        if req.profile is not None:
-            eng.tracer.attach_id(req.greenlet, 0)
-            req.profile.close()
-            eng.profile_closed()
-            self._open_release()
-            if self.config.calls:
-                eng.release_calls()
-        _forget(eng, req)
-        req.done = True
-        req.greenlet = None
+    # -- the lifecycle's Python hooks (called by the C lifecycle, at fixed
+    # points, for what is the user's: observers and function statistics) --
+
+    def _observe_begin(self, req):
+        for obs in self.observers:
+            self._notify(obs, "on_begin", req)
+
+    def _observe_end(self, req):
+        """The response of req ended (its greenlet left the profile):
+        blocking spans are drained and observers see the request while
+        their trace span is still open.  A request without a profile also
+        closes its greenlet's long-running span, so that span is reported
+        under its name."""
+        eng = req.engine
+        if req.profile is None and self.config.blocking_ns and \
+                req.gid is not None and not req.greenlet.dead:
+            run = eng.tracer.running_since()
+            if run is not None and run[1] == req.gid and \
+                    req.end_ns - run[0] >= self.config.blocking_ns:
+                eng.tracer.attach_id(req.greenlet, 0)
+        self._drain_blocking(eng)
+        snapshot = (self._build(eng, req, snapshot=True)
+                    if req.profile is not None else None)
+        for obs in self.observers:
+            self._notify(obs, "on_response_end", req, snapshot,
+                         list(req.blocking))
+
+    def _observe_profile(self, req, profile):
+        for obs in self.observers:
+            self._notify(obs, "on_profile", req, profile)
+
+    @staticmethod
+    def _calls_of(req):
+        # greqprof's own frames (the middleware around the app) are
+        # profiling overhead, not the app's time.
+        return [f for f in _collect.func_stats([req.profile])
+                if not f.filename.startswith(_OWN_DIR)]
 
     @staticmethod
     def _stop_lingering(eng, g):
@@ -443,6 +459,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._engine = eng
         if self.config.blocking_ns and not eng.drain_started:
             self._start_drain_loop(eng)
+        if not eng.reaper_started:
+            self._start_reaper(eng)
         self._arm(eng.tracer.hooks_addr, eng, _engine.fork_generation())
 
     def _notify(self, observer, event, *args):
@@ -452,59 +470,6 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 fn(*args)
             except Exception as e:
                 self._internal_error("observer %s" % event, e)
-
-    def _finish(self, req):
-        """The response is done (closed, or the app raised)."""
-        if req.done:
-            return
-        req.done = True
-        if req.generation != _engine.fork_generation():
-            # Begun before a fork: the parent reports it, not this child.
-            req.greenlet = None
-            return
-        try:
-            eng = engine_for_thread(self.config)
-            req.end_ns = _lowlevel.wall_ns()
-            g = req.greenlet
-            if req.profile is not None:
-                # Later spans of this greenlet (the next keep-alive request)
-                # are not this request's; greenlets it spawned still are.
-                eng.tracer.attach_id(g, 0)
-            elif self.config.blocking_ns and req.gid is not None:
-                # Close a long-running span now so it is reported with this
-                # request's name.
-                run = eng.tracer.running_since()
-                if run is not None and run[1] == req.gid and \
-                        req.end_ns - run[0] >= self.config.blocking_ns:
-                    eng.tracer.attach_id(g, 0)
-            try:
-                self._drain_blocking(eng)
-                if self.observers:
-                    # Observers (OpenTelemetry) see the request while its
-                    # trace span is still open: what is known at the end
-                    # of the response.
-                    snapshot = (self._build(eng, req, snapshot=True)
-                                if req.profile is not None else None)
-                    for obs in self.observers:
-                        self._notify(obs, "on_response_end", req, snapshot,
-                                     list(req.blocking))
-            finally:
-                # Queued (or finalized) even when a logging handler or an
-                # observer raised a GreenletExit or Timeout, which goes on.
-                if req.profile is not None:
-                    if self.linger > 0:
-                        eng.tracer.set_spawn_profile(g, req.profile)
-                        eng.lingering[id(g)] = req
-                        self._schedule_finalize(eng, req)
-                    else:
-                        self._finalize(eng, req)
-                elif eng.requests.get(req.gid) is req:
-                    del eng.requests[req.gid]
-        except Exception as e:
-            self._internal_error("finish", e)
-        finally:
-            if req.profile is None:
-                req.greenlet = None
 
     def _schedule_finalize(self, eng, req):
         """Queues req for the engine's finisher greenlet (one per thread,
@@ -530,51 +495,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         elif eng.finisher_wake is not None:  # (else: not started yet)
             eng.finisher_wake.set()
 
-    # _finalize(eng, req) is MiddlewareBase's, in C (_sampled.c): it does
-    # what _finalize_py does for the common case (this thread's armed
-    # engine, no observers, calls off) and hands the rest to it.
-
-    def _finalize_py(self, eng, req):
-        """Closes the profile, builds the RequestProfile and delivers it."""
-        if req.greenlet is None:
-            return  # already finalized (flush() before the linger ended)
-        if req.generation != _engine.fork_generation():
-            req.greenlet = None  # the parent's request: not ours to report
-            return
-        try:
-            if eng.lingering.get(id(req.greenlet)) is req:
-                del eng.lingering[id(req.greenlet)]
-                if not req.greenlet.dead:
-                    eng.tracer.set_spawn_profile(req.greenlet, None)
-            req.profile.close()
-            eng.profile_closed()
-            self._open_release()
-            if self.config.calls:
-                eng.release_calls()
-            # Drain while the request is still registered, so its blocking
-            # spans are named after it.
-            self._drain_blocking(eng)
-            profile = self._build(eng, req)
-            self._deliver(profile)
-            for obs in self.observers:
-                self._notify(obs, "on_profile", req, profile)
-        except Exception as e:
-            self._internal_error("finish", e)
-        finally:
-            req.greenlet = None
-            _forget(eng, req)
+    # _finalize(eng, req) is MiddlewareBase's, in C (_sampled.c's
+    # mw_finalize): every profile is closed, built and delivered there.
 
     def _build(self, eng, req, snapshot=False):
         """The RequestProfile of req (_sampled.c's build_profile, which
-        the C path calls itself); snapshot=True reads an open profile
+        the C lifecycle calls itself); snapshot=True reads an open profile
         without consuming its stacks (for observers), and without its
         blocking events."""
-        calls = None
-        if self.config.calls:
-            # greqprof's own frames (the middleware around the app) are
-            # profiling overhead, not the app's time.
-            calls = [f for f in _collect.func_stats([req.profile])
-                     if not f.filename.startswith(_OWN_DIR)]
+        calls = self._calls_of(req) if self.config.calls else None
         return self._build_profile(eng.tracer.addr, req, snapshot, calls)
 
     def _drain_loop(self, eng):
@@ -587,6 +516,32 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 self._drain_blocking(eng)
             except Exception as e:
                 self._internal_error("drain", e)
+
+    def _start_reaper(self, eng):
+        eng.reaper_started = True
+        try:
+            import gevent
+            # Spawned from the hub so it belongs to no request.
+            gevent.get_hub().loop.run_callback(gevent.spawn, _reaper_loop,
+                                               eng)
+        except Exception as e:
+            self._internal_error("reaper", e)
+
+    def _truncate(self, eng, req, now):
+        """req's profile has been open longer than max_lifetime: closed
+        and delivered now, marked truncated; the request goes on
+        unprofiled (its end finds it done)."""
+        req.truncated = True
+        req.done = True
+        req.end_ns = now
+        g = req.greenlet
+        try:
+            if not g.dead:
+                eng.tracer.attach_id(g, 0)
+            if eng.lingering.get(id(g)) is req:
+                del eng.lingering[id(g)]
+        finally:
+            self._finalize(eng, req)
 
     def _start_drain_loop(self, eng):
         eng.drain_started = True
@@ -716,6 +671,158 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             pass
 
 
+def find_middleware(app, depth=8):
+    """The ProfilingMiddleware that app is or carries (Flask's
+    ``app.wsgi_app = ProfilingMiddleware(app.wsgi_app)``, a wrapper's
+    ``.app``/``.application``/``__wrapped__``), looked for up to depth
+    objects deep; None when there is none."""
+    seen = set()
+    todo = [(app, 0)]
+    while todo:
+        obj, d = todo.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, ProfilingMiddleware):
+            return obj
+        if d >= depth:
+            continue
+        for name in ("wsgi_app", "app", "application", "__wrapped__",
+                     "__self__"):
+            try:
+                inner = getattr(obj, name, None)
+            except Exception:
+                continue
+            if inner is not None and not isinstance(inner, (str, bytes)):
+                todo.append((inner, d + 1))
+    return None
+
+
+#: notes kept per request, and characters per note
+MAX_NOTES = 50
+MAX_NOTE = 1000
+MAX_ERROR = 1000
+
+
+class ProfileHandle:
+    """What the app may attach to the request being profiled (see
+    :func:`current_profile`).  False (and its methods do nothing) when
+    the request is not sampled."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req):
+        self._req = req
+
+    @property
+    def sampled(self):
+        """True when the request is being profiled."""
+        req = self._req
+        return req is not None and req.profile is not None
+
+    def __bool__(self):
+        return self.sampled
+
+    def _open(self):
+        # (once finalized, what is attached reaches no profile)
+        req = self._req
+        return req is not None and req.greenlet is not None and \
+            not req.finalizing
+
+    def note(self, text):
+        """Adds a note (any text; cleaned, cut to 1000 characters; 50 at
+        most per request) to the request's profile."""
+        if self._open():
+            notes = self._req.notes
+            if notes is None:
+                notes = self._req.notes = []
+            if len(notes) < MAX_NOTES:
+                notes.append(clean(text, MAX_NOTE))
+
+    def set_error(self, error):
+        """Records an exception (``"Type: message"``) or a text as the
+        request's ``error``, e.g. one the framework handled itself."""
+        if not self._open():
+            return
+        if isinstance(error, BaseException):
+            try:
+                msg = str(error)
+            except Exception:
+                msg = "<unprintable>"
+            error = "%s: %s" % (type(error).__name__, msg)
+        self._req.error = clean(error, MAX_ERROR)
+
+    def __repr__(self):
+        return "<greqprof.ProfileHandle %s>" % (
+            "sampled" if self.sampled else "not sampled")
+
+
+_NO_PROFILE = ProfileHandle(None)
+
+
+def current_profile():
+    """The :class:`ProfileHandle` of the request the calling greenlet
+    serves (or was spawned by, directly or not), for the app to attach an
+    exception or a note to its profile; a handle that does nothing (and
+    is false) when the request is not sampled.  Never raises."""
+    try:
+        eng = _engine.current_engine()
+        if eng is None or not eng.requests:
+            return _NO_PROFILE
+        g = getcurrent()
+        gid = _registry.greenlet_id(eng.tracer.addr, g)
+        req = eng.requests.get(gid) if gid else None
+        if req is None:
+            # a greenlet the request spawned: the nearest spawner's
+            _, chain = _registry.request_note(eng.tracer.hooks_addr, g)
+            for gid in chain:
+                req = eng.requests.get(gid)
+                if req is not None:
+                    break
+        return ProfileHandle(req) if req is not None else _NO_PROFILE
+    except Exception:
+        return _NO_PROFILE
+
+
+def flush_thread(timeout=None):
+    """ProfilingMiddleware.flush() for the calling thread's engine."""
+    from .engine import current_engine
+    eng = current_engine()
+    if eng is None:
+        return 0
+    deadline = None if timeout is None else _monotonic() + timeout
+    n = 0
+    # pending, not lingering: a request whose greenlet went on to its
+    # next request left lingering but still waits for its children.
+    # Each by its own middleware (several may share the thread).
+    for mw, req in list(eng.pending):
+        if deadline is not None and _monotonic() > deadline:
+            break
+        if req.profile is not None and req.greenlet is not None and \
+                not req.finalizing:
+            mw._finalize(eng, req)
+            n += 1
+    return n
+
+
+#: seconds the flush at interpreter exit may take at most
+EXIT_FLUSH_S = 5.0
+
+
+def _flush_at_exit():
+    """atexit: the profiles still lingering or queued in the exiting
+    thread are delivered (bounded by EXIT_FLUSH_S)."""
+    if not _middlewares:
+        return
+    try:
+        flush_thread(EXIT_FLUSH_S)
+    except BaseException:   # (never fail the interpreter's exit)
+        pass
+
+
+atexit.register(_flush_at_exit)
+
+
 def _forget(eng, req):
     """req leaves the engine's dicts of open requests."""
     if eng.requests.get(req.gid) is req:
@@ -757,6 +864,34 @@ def _finish_pending_forever(eng):
         eng.finisher_woken = False
         eng.finisher_wake.clear()
         eng.finisher_wake.wait()
+
+
+def _reaper_loop(eng):
+    """Closes, in the engine's thread, the profiles open longer than
+    their middleware's max_lifetime (checked a few times per lifetime, at
+    least once a second)."""
+    import gevent
+    while not eng.abandoned:
+        lifetimes = [mw._max_lifetime for mw in list(eng.middlewares)]
+        gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]))
+        if eng.abandoned or not eng.profile_requests:
+            continue
+        if eng.pending and not eng.finisher_woken:
+            # (a request finished from another thread was queued here
+            # without waking this thread's finisher)
+            for mw in list(eng.middlewares)[:1]:
+                mw._wake_finisher_soon(eng)
+        now = _lowlevel.wall_ns()
+        for req in list(eng.profile_requests.values()):
+            mw = req.owner
+            if mw is None or req.done or req.greenlet is None or \
+                    req.finalizing or \
+                    now - req.start_ns < mw._max_lifetime_ns:
+                continue
+            try:
+                mw._truncate(eng, req, now)
+            except Exception as e:
+                mw._internal_error("max_lifetime", e)
 
 
 class _UnsampledRequest:

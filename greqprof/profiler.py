@@ -37,6 +37,19 @@ MAX_DEPTH = 1 << 24
 _running_profilers = weakref.WeakSet()
 
 
+def _session_of_thread(ident):
+    """The session of a running Profiler with its own hooks in thread
+    ident, or None (engine.py: a ProfilingMiddleware's engine takes the
+    thread's hooks over)."""
+    for prof in list(_running_profilers):
+        with prof._lock:
+            for s in prof._sessions:
+                if s.thread_ident == ident and s.engine is None and \
+                        s.tracer is not None and prof._running:
+                    return s
+    return None
+
+
 def _after_fork_in_child():
     # The child keeps profiling the thread that forked, from a clean slate:
     # data recorded before the fork belongs to the parent, and the other
@@ -53,11 +66,40 @@ if hasattr(os, "register_at_fork"):
 class _Session:
     """The tracer and profile of one OS thread."""
 
-    def __init__(self, tracer, profile, thread_name):
+    def __init__(self, tracer, profile, thread_name, engine=None,
+                 calls=False):
         self.tracer = tracer
+        self.calls = calls
         self.profile = profile
         self.thread_name = thread_name
         self.thread_ident = real_get_ident()
+        #: the ProfilingMiddleware engine whose tracer this session shares
+        #: (a thread has one set of hooks), or None
+        self.engine = engine
+
+    def share(self, eng):
+        """From now on this session is recorded through eng's tracer (the
+        thread's ProfilingMiddleware): every greenlet outside sampled
+        requests goes to this session's profile."""
+        eng.tracer.set_default(self.profile)
+        eng.profile_opened()
+        if self.calls:
+            eng.acquire_calls()
+        self.tracer = eng.tracer
+        self.engine = eng
+
+    def end(self, calls):
+        if self.engine is None:
+            self.tracer.uninstall()
+            return
+        # The middleware goes on: its hooks stay, the thread's greenlets
+        # outside requests go back to no profile.
+        eng, self.engine = self.engine, None
+        if not eng.abandoned:
+            self.tracer.set_default(None)
+            if calls:
+                eng.release_calls()
+            eng.profile_closed()
 
 
 class Profiler:
@@ -119,7 +161,27 @@ class Profiler:
             return "off"  # no CPU clock is read at all
         return self.cpu
 
+    def _join_engine(self, eng):
+        """This thread serves a ProfilingMiddleware, whose hooks are in: the
+        session shares its tracer.  Every greenlet of the thread outside a
+        sampled request (unsampled requests included) is recorded into this
+        session's profile (the tracer's default), while sampled requests
+        keep their own profiles.  The tracer's settings are the
+        middleware's (its clock; builtins and stack_threshold do not
+        apply); the CPU window is narrowed to 100 us meanwhile."""
+        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        session = _Session(None, profile, threading.current_thread().name,
+                           calls=self.calls)
+        session.share(eng)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
     def _new_session(self):
+        from .engine import current_engine
+        eng = current_engine()
+        if eng is not None:
+            return self._join_engine(eng)
         tracer = RawTracer(
             cpu_mode=self._cpu_mode(), call_clock=self.clock,
             long_span_ns=(int(self.stack_threshold * 1e9)
@@ -132,7 +194,8 @@ class Profiler:
         tracer.install(calls=self.calls, builtins=self.builtins,
                        inherit=False,
                        stacks=self.stack_threshold is not None)
-        session = _Session(tracer, profile, threading.current_thread().name)
+        session = _Session(tracer, profile, threading.current_thread().name,
+                           calls=self.calls)
         with self._lock:
             self._sessions.append(session)
         return session
@@ -186,7 +249,7 @@ class Profiler:
         with self._lock:
             sessions = list(self._sessions)
         for s in sessions:
-            s.tracer.uninstall()
+            s.end(self.calls)
 
     def _forked(self, me):
         with self._lock:

@@ -185,6 +185,11 @@ class RequestProfile:
     dropped_waits: int = 0
     #: the first waits one by one (1024 at most), in the order they ended
     wait_events: List[WaitEvent] = field(default_factory=list)
+    #: what the app attached with ``greqprof.current_profile().note()``
+    notes: List[str] = field(default_factory=list)
+    #: True when the profile was closed by ``max_lifetime`` before the
+    #: request ended (what came after is not in it)
+    truncated: bool = False
 
     # A sampled request's profile is made deferred (_sampled.c's
     # build_profile): its instance dict holds the fields above except
@@ -242,6 +247,8 @@ class RequestProfile:
             "pid": self.pid,
             "hostname": self.hostname,
             "error": self.error,
+            "notes": list(self.notes),
+            "truncated": bool(self.truncated),
             "dropped_spans": self.dropped_spans,
             "dropped_calls": self.dropped_calls,
             "spans": [s.to_dict() for s in self.spans],
@@ -339,7 +346,10 @@ class RequestProfile:
                                   default=0),
             wait_events=[r.wait_event(x, "wait_events[%d]" % i) for i, x in
                          enumerate(r.list(d, "wait_events", "wait_events",
-                                          default=[]))])
+                                          default=[]))],
+            notes=[r.text({"n": x}, "n", "notes[%d]" % i) for i, x in
+                   enumerate(r.list(d, "notes", "notes", default=[]))],
+            truncated=r.bool(d, "truncated", "truncated", default=False))
 
     def save(self, path):
         with open(path, "w", encoding="utf-8") as f:

@@ -187,7 +187,9 @@ def test_serve_profiles_and_writes_files(tmp_path):
         assert r.status_code == 200 and r.text == "hello"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            files = sorted(os.listdir(str(out))) if out.exists() else []
+            # (hidden: a file being written, not yet under its name)
+            files = sorted(f for f in os.listdir(str(out))
+                           if not f.startswith(".")) if out.exists() else []
             if len(files) >= 2:
                 break
             time.sleep(0.05)

@@ -9,9 +9,8 @@ strict UTF-8 logging handler, the JSON log line, the inspector's list and
 profile pages and downloads, every ``profile_dir`` file, and
 ``python -m greqprof view`` of the saved JSON in every format.
 
-Two things are recorded by the C capture of another branch ("lifecycle":
-environ strings and the status in _sampled.c / _fastpath.c); the checks
-that need it are marked xfail(strict) until it is merged.
+Environ strings, the status and error texts are recorded by the C request
+lifecycle (_sampled.c / _fastpath.c), with the same rule.
 """
 import json
 import logging
@@ -206,8 +205,6 @@ def test_text_report_json_files_inspector_and_view(serve, utf8_log, tmp_path):
         r.stdout.decode("utf-8")
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="needs lifecycle branch: C capture of the error")
 def test_exception_message_is_escaped(serve, utf8_log, tmp_path):
     s, _, log = run(serve, utf8_log, tmp_path, ["/raise"])
     p = s.profiles[0]
@@ -216,9 +213,6 @@ def test_exception_message_is_escaped(serve, utf8_log, tmp_path):
     assert "\nForged" not in log
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="needs lifecycle branch: C capture of environ "
-                          "strings")
 def test_environ_strings_are_escaped_on_the_c_path(serve, utf8_log,
                                                    tmp_path):
     # (no inspector: the C path (_sampled.c) records the request)
@@ -230,8 +224,6 @@ def test_environ_strings_are_escaped_on_the_c_path(serve, utf8_log,
     assert p.request_id == "rid\\udcff\\u202e\\u2066\\x1b[31m\\u200b\\ufeff"
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="needs lifecycle branch: C capture of the status")
 def test_bytes_status_json_log_and_inspector(serve, utf8_log, tmp_path):
     s, out, log = run(serve, utf8_log, tmp_path, ["/bytes"],
                       json_logs=True)

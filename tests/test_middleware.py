@@ -1037,6 +1037,7 @@ def test_sink_failure_is_contained(serve, caplog):
 STABLE_KEYS = {
     "schema", "method", "path", "status", "start", "end", "wall", "cpu",
     "clock", "sampled_by", "request_id", "pid", "hostname", "error",
+    "notes", "truncated",
     "dropped_spans", "dropped_calls", "spans", "longest_span", "waiting",
     "greenlets", "blocking", "calls", "waits", "dropped_waits",
     "wait_events"}

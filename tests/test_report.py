@@ -78,10 +78,8 @@ def test_rich_profile_has_everything(profiles):
 
 @pytest.mark.parametrize("path", [
     "/rich", "/many",
-    # (its error message holds a newline: loading cleans it, capture will)
-    pytest.param("/error", marks=pytest.mark.xfail(
-        strict=True, reason="needs lifecycle branch: C capture of the "
-                            "error"))])
+    # (its error message held a newline: cleaned at capture)
+    "/error"])
 def test_to_dict_from_dict_round_trip(profiles, path):
     p = profiles[path]
     d = p.to_dict()
@@ -206,7 +204,8 @@ def test_report_is_what_was_logged(profiles, caplog):
 
 def test_report_error_and_escaping(profiles):
     p = profiles["/error"]
-    assert p.error == "RuntimeError: report me\nsecond line"
+    # (recorded as clean text at capture: greqprof/_text.py)
+    assert p.error == "RuntimeError: report me\\x0asecond line"
     text = p.report()
     assert "  Error: RuntimeError: report me\\x0asecond line" in text
     assert "\nsecond line" not in text

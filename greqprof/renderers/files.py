@@ -71,27 +71,60 @@ class ProfileWriter:
                                 sanitize_path(profile.path), n)
 
     def write(self, profile):
-        """Writes ``profile`` in every format; returns the paths written."""
+        """Writes ``profile`` in every format; returns the paths written.
+
+        Each file is written under a hidden temporary name first and only
+        then linked to its final name, so a failed write (disk full, a
+        size limit) never leaves a truncated file under a final name: on
+        failure the temporary files are removed and the error raised."""
         outputs = [(r, r.render(profile)) for r in self.renderers]
-        while True:
-            with self._lock:
-                n = next(self._counter)
-            base = self.base_name(profile, n)
-            paths = [os.path.join(self.directory, r.filename(base))
-                     for r, _ in outputs]
-            try:
-                written = []
-                for path, (r, data) in zip(paths, outputs):
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                                 0o600)
-                    written.append(path)
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data if isinstance(data, bytes)
-                                else data.encode("utf-8"))
-                return written
-            except FileExistsError:
-                for path in written:  # another writer took this name
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
+        with self._lock:
+            n = next(self._counter)
+        temps = []
+        try:
+            for r, data in outputs:
+                temps.append(self._write_temp(
+                    data if isinstance(data, bytes) else data.encode("utf-8"),
+                    n, len(temps)))
+            while True:
+                base = self.base_name(profile, n)
+                paths = [os.path.join(self.directory, r.filename(base))
+                         for r, _ in outputs]
+                linked = []
+                try:
+                    for tmp, path in zip(temps, paths):
+                        # (link, not rename: an existing name is never
+                        # replaced, even one another process wrote)
+                        os.link(tmp, path)
+                        linked.append(path)
+                    return linked
+                except FileExistsError:
+                    _unlink_all(linked)   # another writer took this name
+                    with self._lock:
+                        n = next(self._counter)
+                except BaseException:
+                    _unlink_all(linked)
+                    raise
+        finally:
+            _unlink_all(temps)
+
+    def _write_temp(self, data, n, i):
+        """data in a new hidden file of the directory; its path."""
+        path = os.path.join(self.directory, ".greqprof-%d-%d-%d-%d.tmp" % (
+            os.getpid(), id(self), n, i))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except BaseException:
+            _unlink_all([path])
+            raise
+        return path
+
+
+def _unlink_all(paths):
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
