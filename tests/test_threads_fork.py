@@ -162,10 +162,12 @@ def test_threads_each_with_hub_and_server():
     assert mw.stats["errors"] == 0
     assert mw.stats["requests"] == mw.stats["sampled"] == total
     assert mw.stats["delivered"] == total
-    # Blocking events that reached a profile are that request's own.
+    # Blocking events that reached a profile are that request's own.  (Not
+    # only /block's: on a loaded machine a "/" request's span can pass
+    # 50 ms too, while this thread waits for the GIL or the CPU.)
     for _, p in profiles:
         for b in p.blocking:
-            assert b.request_id == p.request_id and b.path == "/block"
+            assert b.request_id == p.request_id and b.path == p.path
     assert mw.stats["blocking"] >= NTHREADS
 
 
