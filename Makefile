@@ -1,7 +1,12 @@
 # greqprof -- one entry point for building and testing.
-#   make test     C library + C tests (plain, ASan+UBSan, valgrind, fuzz
-#                 replay) + Python package in .venv + pytest (and the
-#                 extension's C under ASan: pytest-asan)
+#   make test     system tools (installed with apt when run as root), the C
+#                 library + C tests (plain, ASan+UBSan, valgrind, TSan, fuzz
+#                 replay), the extension under ASan (pytest-asan), then a
+#                 manylinux wheel per supported Python (3.10-3.13) installed
+#                 in a clean venv with the suite run against it (test-wheels)
+#   make pytest   the Python suite against the editable install in .venv
+#   make sdist / make wheel      dist/: the sdist, one wheel per Python
+#   make sdist-test / floors / debian12   see docs/packaging.md
 #   make demo     run the example app with the middleware against real requests
 #   make bench    overhead benchmarks (see bench/README.md)
 CC      ?= gcc
@@ -25,7 +30,8 @@ CFLAGS_COMMON := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Ilibgreqprof/includ
 CFLAGS  ?= -O2 -g
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long fuzz-py venv pytest pytest-asan test demo bench clean
+.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long fuzz-py venv pytest pytest-asan test demo bench clean \
+  system-deps sdist wheel test-wheels sdist-test floors debian12 ci-packaging
 
 all: lib
 
@@ -136,7 +142,43 @@ pytest-asan: venv
 	cd $(ASAN_PY) && $(ASAN_RUN) -m pytest -q -p no:cacheprovider \
 	  --rootdir=$(CURDIR) $(addprefix $(CURDIR)/tests/,$(ASAN_TESTS))
 
-test: ctest ctest-asan valgrind tsan fuzz pytest pytest-asan
+# Which Pythons run the whole suite; the others run FULL's complement
+# SUBSET (.ci/pkg: all but the benchmark and soak smoke tests).
+FULL_PYTHONS ?= 3.11 3.13
+
+system-deps:
+	@.ci/system-deps
+
+sdist:
+	.ci/pkg sdist
+
+wheel: sdist
+	.ci/pkg wheel
+
+# The installed wheel of every supported Python found (.ci/pythons) in a
+# clean venv; greqprof must be imported from site-packages.
+test-wheels: wheel
+	.ci/pkg reset
+	@set -e; for v in $$(.ci/pythons | cut -d' ' -f1); do \
+	  case " $(FULL_PYTHONS) " in *" $$v "*) m=full;; *) m=subset;; esac; \
+	  .ci/pkg test-wheel $$v $$m || fail=1; \
+	done; .ci/pkg summary; exit $${fail:-0}
+
+sdist-test: sdist
+	.ci/pkg test-sdist
+
+floors: sdist
+	.ci/pkg floors
+
+debian12: sdist
+	.ci/pkg debian12
+
+# What .ci/run adds to make test: the sdist, the floors, Debian 12's stack.
+ci-packaging: sdist
+	@.ci/pkg test-sdist || fail=1; .ci/pkg floors || fail=1; \
+	  .ci/pkg debian12 || fail=1; .ci/pkg summary; exit $${fail:-0}
+
+test: system-deps ctest ctest-asan valgrind tsan fuzz pytest-asan test-wheels
 
 demo: venv
 	$(VPY) examples/demo.py
@@ -146,4 +188,4 @@ bench: venv
 	$(VPY) bench/call_overhead.py --markdown
 
 clean:
-	rm -rf build greqprof/_core.c greqprof/_core*.so *.egg-info
+	rm -rf build dist greqprof/_core.c greqprof/_core*.so *.egg-info

@@ -146,7 +146,10 @@ ffi.set_source(
                                                      "greqprof.h"),
         os.path.join(LIB, "internal.h"))],
     # The hooks use the full C API (frames, tracing), not the limited one.
+    # cffi >= 2.0 turns py_limited_api=False into this macro itself; before
+    # 2.0 the generated _core.c defines Py_LIMITED_API unless it is set.
     py_limited_api=False,
+    define_macros=[("_CFFI_NO_LIMITED_API", None)],
     extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=hidden",
                         "-Wall", "-Wno-unused-function"],
 )

@@ -5,7 +5,9 @@ the calling thread's CPU time (measured with ``time.thread_time``), so the
 expected values are ratios that do not depend on the machine's speed or load.
 """
 import gc
+import os
 import sys
+import sysconfig
 import threading
 import time
 
@@ -13,6 +15,60 @@ import greenlet
 import pytest
 
 import greqprof
+
+def _where_greqprof_must_be():
+    """GQP_TEST_EXPECT_INSTALLED=1 (set by the installed-package runs, see
+    docs/packaging.md): the suite must test the installed package, so
+    greqprof has to come from site-packages, not from a source tree that
+    happens to be on sys.path."""
+    if os.environ.get("GQP_TEST_EXPECT_INSTALLED") != "1":
+        return None
+    here = os.path.realpath(os.path.dirname(greqprof.__file__))
+    sites = {os.path.realpath(sysconfig.get_paths()[k])
+             for k in ("purelib", "platlib")}
+    if not any(here.startswith(s + os.sep) for s in sites):
+        return ("GQP_TEST_EXPECT_INSTALLED=1 but greqprof was imported from "
+                "%s, not from site-packages (%s)"
+                % (here, ", ".join(sorted(sites))))
+    return None
+
+
+def pytest_configure(config):
+    problem = _where_greqprof_must_be()
+    if problem:
+        raise pytest.UsageError(problem)
+
+
+def pytest_report_header(config):
+    import cffi
+    import gevent
+    return "greqprof %s from %s; gevent %s, greenlet %s, cffi %s" % (
+        greqprof.__version__,
+        os.path.dirname(greqprof.__file__), gevent.__version__,
+        greenlet.__version__, cffi.__version__)
+
+
+#: the working directory for Python subprocesses: tests/, which holds no
+#: greqprof package (``python -c`` puts its working directory first on
+#: sys.path, so the source tree's root would shadow the installed package).
+CHILD_CWD = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_env(**overrides):
+    """os.environ for a Python subprocess that must import the greqprof this
+    process imported: the installed one in the installed-package runs, the
+    source tree in a development run (PYTHONPATH names it only then)."""
+    env = dict(os.environ)
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(
+        greqprof.__file__)))
+    sites = {os.path.realpath(sysconfig.get_paths()[k])
+             for k in ("purelib", "platlib")}
+    if os.path.realpath(parent) not in sites:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [parent] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(overrides)
+    return env
+
 
 #: seconds of thread CPU time burnt by spin(1)
 UNIT = 0.015

@@ -12,6 +12,7 @@ import time
 import pytest
 import requests
 
+from conftest import CHILD_CWD, child_env
 from greqprof import RequestProfile
 
 from test_renderers import HOSTILE, synthetic_profile
@@ -37,9 +38,12 @@ APP = textwrap.dedent('''
 ''')
 
 
-def cli(*args, cwd=None, timeout=30):
+def cli(*args, cwd=CHILD_CWD, timeout=30):
+    # python -m puts the working directory first on sys.path: not the
+    # source root, whose greqprof/ would shadow the installed package.
     return subprocess.run([sys.executable, "-m", "greqprof"] + list(args),
-                          capture_output=True, timeout=timeout, cwd=cwd)
+                          capture_output=True, timeout=timeout, cwd=cwd,
+                          env=child_env())
 
 
 def fails(r, *needles):

@@ -22,13 +22,11 @@ import greqprof
 from greqprof import (ChildStat, ConfigError, FuncStat, GreenletStat,
                       GreqprofError, ProfilerStateError, Span)
 
-from conftest import (assert_units, child, child_names, func_stat,
-                      qualified, spin, units)
+from conftest import (CHILD_CWD, assert_units, child, child_env,
+                      child_names, func_stat, qualified, spin, units)
 
 pytestmark = pytest.mark.timeout(60)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def greenlet_stat_of(p, fn):
@@ -1108,9 +1106,9 @@ def test_stop_while_profiled_thread_keeps_running():
     """stop() from the main thread while another profiled thread is still
     switching greenlets: that thread's hooks must stay safe to call.
     MALLOC_PERTURB_ makes a use of freed memory visible as a crash."""
-    env = dict(os.environ, MALLOC_PERTURB_="165")
+    env = child_env(MALLOC_PERTURB_="165")
     res = subprocess.run([sys.executable, "-c", STOP_WHILE_THREAD_RUNS],
-                         cwd=ROOT, env=env, capture_output=True, text=True,
+                         cwd=CHILD_CWD, env=env, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0 and "done" in res.stdout, (
         res.returncode, res.stderr[-2000:])
@@ -1152,12 +1150,13 @@ def test_new_profiler_in_thread_after_stop_from_main():
     """A thread profiled by a Profiler stopped in the main thread can run a
     Profiler of its own afterwards."""
     for perturb in ("", "165"):
-        env = dict(os.environ)
+        env = child_env()
         env.pop("MALLOC_PERTURB_", None)
         if perturb:
             env["MALLOC_PERTURB_"] = perturb
         res = subprocess.run(
-            [sys.executable, "-c", RESTART_IN_THREAD_AFTER_STOP], cwd=ROOT,
+            [sys.executable, "-c", RESTART_IN_THREAD_AFTER_STOP],
+            cwd=CHILD_CWD,
             env=env, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, (perturb, res.returncode,
                                      res.stderr[-2000:])
