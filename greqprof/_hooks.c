@@ -784,13 +784,17 @@ static code_slot *code_info(PyCodeObject *co)
         }
     }
     if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
-        /* Start over (code made at run time would grow it forever). */
-        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
-            Py_CLEAR(code_cache[k].code);
-            Py_CLEAR(code_cache[k].fn_name);
-            Py_CLEAR(code_cache[k].filename);
-        }
+        /* Start over (code made at run time would grow it forever).  Each
+         * slot is emptied before its objects go (a deallocation may run
+         * Python code). */
         code_cache_len = 0;
+        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
+            code_slot old = code_cache[k];
+            memset(&code_cache[k], 0, sizeof code_cache[k]);
+            Py_XDECREF(old.code);
+            Py_XDECREF(old.fn_name);
+            Py_XDECREF(old.filename);
+        }
         for (i = slot_of(co, 0, mask); code_cache[i].code; i = (i + 1) & mask) {
         }
     }
@@ -864,12 +868,14 @@ static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
         }
     }
     if (line_cache_len >= GQP_PY_LINE_SLOTS / 2) {
-        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
-            Py_CLEAR(line_cache[k].code);
-            Py_CLEAR(line_cache[k].entry);
-            Py_CLEAR(line_cache[k].record);
-        }
         line_cache_len = 0;
+        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
+            line_slot old = line_cache[k];
+            memset(&line_cache[k], 0, sizeof line_cache[k]);
+            Py_XDECREF(old.code);
+            Py_XDECREF(old.entry);
+            Py_XDECREF(old.record);
+        }
         for (i = slot_of(co, lasti, mask); line_cache[i].code;
              i = (i + 1) & mask) {
         }
@@ -1017,8 +1023,26 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co)
     return tag;
 }
 
+/* 1 while on_wait runs: an allocation in it may run the garbage
+ * collector, whose finalizers may switch greenlets (a greenlet collected
+ * unfinished is killed by switching into it) and so call the hook again.
+ * Such a nested wait gets no site (it is not charged), and the caches are
+ * never changed under a caller that holds a slot. */
+static int in_on_wait;
+static void on_wait_at(gqp_py_thread *st, PyObject *origin);
+
 /* origin switched out alive while attached to a profile: say where. */
 static void on_wait(gqp_py_thread *st, PyObject *origin)
+{
+    if (in_on_wait) {
+        return;
+    }
+    in_on_wait = 1;
+    on_wait_at(st, origin);
+    in_on_wait = 0;
+}
+
+static void on_wait_at(gqp_py_thread *st, PyObject *origin)
 {
     PyObject *fr = frame_getter(origin, NULL);
     if (!fr || !PyFrame_Check(fr)) {

@@ -1032,7 +1032,8 @@ STABLE_KEYS = {
     "schema", "method", "path", "status", "start", "end", "wall", "cpu",
     "clock", "sampled_by", "request_id", "pid", "hostname", "error",
     "dropped_spans", "dropped_calls", "spans", "longest_span", "waiting",
-    "greenlets", "blocking", "calls"}
+    "greenlets", "blocking", "calls", "waits", "dropped_waits",
+    "wait_events"}
 SPAN_KEYS = {"greenlet_id", "greenlet_name", "fn_name", "start", "end",
              "wall", "cpu", "finished", "stack", "long"}
 BLOCKING_KEYS = {"schema", "greenlet_id", "greenlet_name", "fn_name",
