@@ -199,20 +199,28 @@ def request_records(raw):
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
                            complete=complete),
-        **wait_sites(raw[13] if len(raw) > 13 else ((), 0, b""), origin),
+        **wait_sites(raw[13] if len(raw) > 13 else ((), b"", 0, b""),
+                     origin),
     }
 
 
-#: a gqp_wait_event: (greenlet_id, start_ns, end_ns, site, reserved)
+#: a gqp_wait_event: (greenlet_id, start_ns, end_ns, site, reserved), and
+#: a gqp_wait_stat: (site key, wait_ns, count, greenlets, tag, reserved)
 WAIT_EVENT_ROW = struct.Struct("=QqqII")
+WAIT_SITE_ROW = struct.Struct("=QqQQII")
 
 
 def wait_sites(raw, origin):
     """The "waits", "dropped_waits" and "wait_events" fields from
     read_waits (_hooks.c)."""
-    rows, dropped, events = raw
-    sites = [WaitSite(fn, filename, line, stack, ns * NS, count, greenlets)
-             for fn, filename, line, stack, ns, count, greenlets in rows]
+    records, stats, dropped, events = raw
+    sites = []
+    for rec, (_key, ns, count, greenlets, _tag, _r) in zip(
+            records, WAIT_SITE_ROW.iter_unpack(stats)):
+        # (a record the registry dropped: the site's time without a name)
+        _code, fn, filename, line, stack = rec or (None, "?", "", 0, ())
+        sites.append(WaitSite(fn, filename, line, stack, ns * NS, count,
+                              greenlets))
     order = sorted(range(len(sites)), key=lambda i: -sites[i].seconds)
     rank = {i: r for r, i in enumerate(order)}
     return {

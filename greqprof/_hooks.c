@@ -836,6 +836,7 @@ typedef struct {
     int lasti;
     int line;
     PyObject *entry;     /* "file:line in function", NULL until asked */
+    PyObject *record;    /* the last site record made here (store_site) */
 } line_slot;
 static line_slot line_cache[GQP_PY_LINE_SLOTS];
 static size_t line_cache_len;
@@ -913,13 +914,17 @@ static code_slot *code_info(PyCodeObject *co)
         }
     }
     if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
-        /* Start over (code made at run time would grow it forever). */
-        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
-            Py_CLEAR(code_cache[k].code);
-            Py_CLEAR(code_cache[k].fn_name);
-            Py_CLEAR(code_cache[k].filename);
-        }
+        /* Start over (code made at run time would grow it forever).  Each
+         * slot is emptied before its objects go (a deallocation may run
+         * Python code). */
         code_cache_len = 0;
+        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
+            code_slot old = code_cache[k];
+            memset(&code_cache[k], 0, sizeof code_cache[k]);
+            Py_XDECREF(old.code);
+            Py_XDECREF(old.fn_name);
+            Py_XDECREF(old.filename);
+        }
         for (i = slot_of(co, 0, mask); code_cache[i].code; i = (i + 1) & mask) {
         }
     }
@@ -993,11 +998,14 @@ static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
         }
     }
     if (line_cache_len >= GQP_PY_LINE_SLOTS / 2) {
-        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
-            Py_CLEAR(line_cache[k].code);
-            Py_CLEAR(line_cache[k].entry);
-        }
         line_cache_len = 0;
+        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
+            line_slot old = line_cache[k];
+            memset(&line_cache[k], 0, sizeof line_cache[k]);
+            Py_XDECREF(old.code);
+            Py_XDECREF(old.entry);
+            Py_XDECREF(old.record);
+        }
         for (i = slot_of(co, lasti, mask); line_cache[i].code;
              i = (i + 1) & mask) {
         }
@@ -1007,6 +1015,7 @@ static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
     s->lasti = lasti;
     s->line = PyFrame_GetLineNumber(f);
     s->entry = NULL;
+    s->record = NULL;
     line_cache_len++;
     return s;
 }
@@ -1059,8 +1068,43 @@ static PyObject *site_stack(PyFrameObject *f)
     return t;
 }
 
-/* Records a new site (site frame f, borrowed) in the registry; its tag. */
-static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
+/* 1 when stack (a site record's, outermost first) is the stack of frame f
+ * outwards as site_stack would make it: its entries are the line cache's
+ * objects, so identity is enough. */
+static int same_stack(PyFrameObject *f, PyObject *stack)
+{
+    Py_ssize_t k = PyTuple_GET_SIZE(stack);
+    int same = 1;
+    Py_INCREF(f);
+    while (f && same && k > 0) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        if (!(code_kind(co) & CODE_OWN)) {
+            same = frame_entry(f, co) == PyTuple_GET_ITEM(stack, --k);
+        }
+        Py_DECREF(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    /* (the rest of the chain must be only greqprof's own frames, or be
+     * past site_stack's depth) */
+    while (f && same && PyTuple_GET_SIZE(stack) < GQP_PY_STACK_DEPTH) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        same = (code_kind(co) & CODE_OWN) != 0;
+        Py_DECREF(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    return same && k == 0;
+}
+
+/* Records a new site (site frame f, borrowed) in the registry; its tag.
+ * The record made last time at this instruction is used again when the
+ * stack above is the same (a request's sites are mostly the previous
+ * request's). */
+static uint32_t store_site(PyFrameObject *f, PyCodeObject *co)
 {
     if (PyDict_GET_SIZE(reg_wait_sites) >= GQP_PY_MAX_WAIT_SITES) {
         /* Drop the oldest (a profile never read out leaves its records). */
@@ -1072,9 +1116,16 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
             Py_DECREF(k);
         }
     }
-    PyObject *fn, *file, *rec = NULL;
-    if (code_names(co, &fn, &file) == 0) {
-        /* (site_stack may empty the cache that holds fn and file) */
+    line_slot *ls = line_info(f, co);
+    PyObject *rec = ls->record ? Py_NewRef(ls->record) : NULL;
+    if (rec && !same_stack(f, PyTuple_GET_ITEM(rec, 4))) {
+        Py_CLEAR(rec);
+    }
+    PyObject *fn, *file;
+    if (!rec && code_names(co, &fn, &file) == 0) {
+        /* (same_stack and site_stack may empty the caches that hold fn,
+         * file and ls) */
+        int line = line_info(f, co)->line;
         Py_INCREF(fn);
         Py_INCREF(file);
         PyObject *stack = site_stack((PyFrameObject *)Py_NewRef(f));
@@ -1083,6 +1134,10 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
                     : NULL;
         Py_DECREF(fn);
         Py_DECREF(file);
+        if (rec) {
+            ls = line_info(f, co);
+            Py_XSETREF(ls->record, Py_NewRef(rec));
+        }
     }
     uint32_t tag = 0;
     PyObject *key = rec ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
@@ -1098,8 +1153,26 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
     return tag;
 }
 
+/* 1 while on_wait runs: an allocation in it may run the garbage
+ * collector, whose finalizers may switch greenlets (a greenlet collected
+ * unfinished is killed by switching into it) and so call the hook again.
+ * Such a nested wait gets no site (it is not charged), and the caches are
+ * never changed under a caller that holds a slot. */
+static int in_on_wait;
+static void on_wait_at(gqp_py_thread *st, PyObject *origin);
+
 /* origin switched out alive while attached to a profile: say where. */
 static void on_wait(gqp_py_thread *st, PyObject *origin)
+{
+    if (in_on_wait) {
+        return;
+    }
+    in_on_wait = 1;
+    on_wait_at(st, origin);
+    in_on_wait = 0;
+}
+
+static void on_wait_at(gqp_py_thread *st, PyObject *origin)
 {
     PyObject *fr = getter_call(&frame_getter, origin);
     if (!fr || !PyFrame_Check(fr)) {
@@ -1136,7 +1209,7 @@ static void on_wait(gqp_py_thread *st, PyObject *origin)
     int ev = gqp_tracer_wait_at(st->tracer, (uint64_t)(uintptr_t)origin,
                                 site ? site : 1, &p, &idx);
     if (ev > 0 && (ev & GQP_EV_NEW_SITE) && p) {
-        uint32_t tag = store_site(f, co, line);
+        uint32_t tag = store_site(f, co);
         if (tag) {
             gqp_profile_wait_set_tag(p, idx, tag);
         }
@@ -1148,71 +1221,52 @@ static void on_wait(gqp_py_thread *st, PyObject *origin)
 }
 
 /* read_waits(profile, take): the profile's wait sites, as a tuple
- *   (((fn_name, filename, lineno, stack, wait_ns, count, greenlets), ...),
- *    dropped, events)
- * sites in table order (a site whose record the registry dropped has
- * fn_name "?"); events: the gqp_wait_event structs as bytes
- * (_collect.WAIT_EVENT_ROW).  take: the records go out of the registry
- * (the profile is done). */
+ *   (records, stats, dropped, events)
+ * records: per site, in table order, its registry record (code, fn_name,
+ * filename, lineno, stack), or None when the registry dropped it; stats:
+ * the gqp_wait_stat structs as bytes (_collect.WAIT_SITE_ROW); events: the
+ * gqp_wait_event structs as bytes (_collect.WAIT_EVENT_ROW).  take: the
+ * records go out of the registry (the profile is done).  Rows are bytes
+ * and the records are shared: the public WaitSite objects are made only
+ * if someone reads them. */
 
 _Static_assert(sizeof(gqp_wait_event) == 32,
                "_collect.WAIT_EVENT_ROW is '=QqqII'");
+_Static_assert(sizeof(gqp_wait_stat) == 40,
+               "_collect.WAIT_SITE_ROW is '=QqQQII'");
 
 static PyObject *read_waits(gqp_profile *p, int take)
 {
     size_t n = gqp_profile_wait_count(p);
-    PyObject *rows = PyTuple_New((Py_ssize_t)n);
-    size_t i = 0;
-    for (; rows && i < n; i++) {
-        gqp_wait_stat w;
-        if (gqp_profile_wait(p, i, &w) != GQP_OK) {
-            break;
+    size_t ne = gqp_profile_wait_event_count(p);
+    PyObject *recs = PyTuple_New((Py_ssize_t)n);
+    PyObject *stats = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)(n * sizeof(gqp_wait_stat)));
+    PyObject *events = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)(ne * sizeof(gqp_wait_event)));
+    if (!recs || !stats || !events) {
+        goto fail;
+    }
+    gqp_wait_stat *ws = (gqp_wait_stat *)(void *)PyBytes_AS_STRING(stats);
+    for (size_t i = 0; i < n; i++) {
+        if (gqp_profile_wait(p, i, &ws[i]) != GQP_OK) {
+            memset(&ws[i], 0, sizeof ws[i]);
         }
         PyObject *rec = NULL;
-        PyObject *key = w.tag ? PyLong_FromUnsignedLong(w.tag) : NULL;
-        if (key) {
+        if (ws[i].tag) {
+            PyObject *key = PyLong_FromUnsignedLong(ws[i].tag);
+            if (!key) {
+                goto fail;
+            }
             rec = PyDict_GetItemWithError(reg_wait_sites, key);
             Py_XINCREF(rec);
             if (rec && take && PyDict_DelItem(reg_wait_sites, key) < 0) {
                 PyErr_Clear();
             }
             Py_DECREF(key);
+            PyErr_Clear();
         }
-        PyErr_Clear();
-        PyObject *row;
-        if (rec && PyTuple_Check(rec) && PyTuple_GET_SIZE(rec) == 5) {
-            row = Py_BuildValue(
-                "(OOOOLKK)", PyTuple_GET_ITEM(rec, 1),
-                PyTuple_GET_ITEM(rec, 2), PyTuple_GET_ITEM(rec, 3),
-                PyTuple_GET_ITEM(rec, 4), (long long)w.wait_ns,
-                (unsigned long long)w.count,
-                (unsigned long long)w.greenlets);
-        } else {
-            row = Py_BuildValue("(ssi()LKK)", "?", "", 0,
-                                (long long)w.wait_ns,
-                                (unsigned long long)w.count,
-                                (unsigned long long)w.greenlets);
-        }
-        Py_XDECREF(rec);
-        if (!row) {
-            Py_CLEAR(rows);
-            break;
-        }
-        PyTuple_SET_ITEM(rows, (Py_ssize_t)i, row);
-    }
-    if (rows && i < n) {
-        /* (a copy: _PyTuple_Resize is private) */
-        Py_SETREF(rows, PyTuple_GetSlice(rows, 0, (Py_ssize_t)i));
-    }
-    if (!rows) {
-        return NULL;
-    }
-    size_t ne = gqp_profile_wait_event_count(p);
-    PyObject *events = PyBytes_FromStringAndSize(
-        NULL, (Py_ssize_t)(ne * sizeof(gqp_wait_event)));
-    if (!events) {
-        Py_DECREF(rows);
-        return NULL;
+        PyTuple_SET_ITEM(recs, (Py_ssize_t)i, rec ? rec : Py_NewRef(Py_None));
     }
     gqp_wait_event *ev = (gqp_wait_event *)(void *)PyBytes_AS_STRING(events);
     for (size_t k = 0; k < ne; k++) {
@@ -1220,9 +1274,14 @@ static PyObject *read_waits(gqp_profile *p, int take)
             memset(&ev[k], 0, sizeof ev[k]);
         }
     }
-    return Py_BuildValue("(NKN)", rows,
+    return Py_BuildValue("(NNKN)", recs, stats,
                          (unsigned long long)gqp_profile_waits_dropped(p),
                          events);
+fail:
+    Py_XDECREF(recs);
+    Py_XDECREF(stats);
+    Py_XDECREF(events);
+    return NULL;
 }
 
 /* ---- the greenlet hook ----------------------------------------------- */

@@ -377,8 +377,8 @@ class Inspector:
         nav = [("\u2190 all profiles", self._url(environ, "/")),
                ("download:", None)]
         nav.append(("json", self._url(environ, "/p/%d.json" % pid)))
-        for name in ("trace", "speedscope", "pstats", "callgrind", "html",
-                     "text"):
+        for name in ("trace", "speedscope", "offcpu", "pstats", "callgrind",
+                     "html", "text"):
             r = RENDERERS.get(name)
             if r is None or (r.needs_calls and not profile.calls):
                 continue
@@ -397,6 +397,7 @@ class Inspector:
             data = data.encode("utf-8")
         ctype = {"json": "application/json", "trace": "application/json",
                  "speedscope": "application/json",
+                 "offcpu": "application/json",
                  "html": "text/html; charset=utf-8",
                  "text": "text/plain; charset=utf-8"}.get(
                      fmt, "application/octet-stream")

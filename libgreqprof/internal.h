@@ -112,6 +112,10 @@ GQP__HIDDEN uint32_t gqp__calls_edge(gqp__calls *c, uint32_t caller,
                                      uint32_t callee);
 
 /* ---- wait sites (profile.c) ----------------------------------------- */
+#define GQP__WAIT_INLINE_MAP 16    /* (a power of two) */
+#define GQP__WAIT_INLINE_SITES 4
+#define GQP__WAIT_INLINE_EVENTS 8
+
 typedef struct gqp__waits {
     gqp__map index;        /* site key -> index + 1 */
     gqp_wait_stat *sites;
@@ -123,6 +127,12 @@ typedef struct gqp__waits {
     gqp_wait_event *events;
     size_t nev, ev_alloc, max_events;
     uint64_t events_dropped;
+    /* A request waits at a few sites: the tables start here, inside the
+     * profile (no allocation until they outgrow these). */
+    uint64_t index_keys[GQP__WAIT_INLINE_MAP], index_vals[GQP__WAIT_INLINE_MAP];
+    uint64_t seen_keys[GQP__WAIT_INLINE_MAP], seen_vals[GQP__WAIT_INLINE_MAP];
+    gqp_wait_stat sites_inline[GQP__WAIT_INLINE_SITES];
+    gqp_wait_event events_inline[GQP__WAIT_INLINE_EVENTS];
 } gqp__waits;
 
 #define GQP__WAIT_PAIRS 65536

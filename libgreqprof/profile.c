@@ -43,8 +43,14 @@ GQP_API int gqp_profile_new(gqp_profile **out)
     gqp__spans_init(&p->spans, 10000, GQP_KEEP_FIRST);
     gqp__calls_init(&p->calls);
     gqp__map_init(&p->gindex);
-    gqp__map_init(&p->waits.index);
-    gqp__map_init(&p->waits.seen);
+    gqp__map_init_buf(&p->waits.index, p->waits.index_keys,
+                      p->waits.index_vals, GQP__WAIT_INLINE_MAP);
+    gqp__map_init_buf(&p->waits.seen, p->waits.seen_keys,
+                      p->waits.seen_vals, GQP__WAIT_INLINE_MAP);
+    p->waits.sites = p->waits.sites_inline;
+    p->waits.alloc = GQP__WAIT_INLINE_SITES;
+    p->waits.events = p->waits.events_inline;
+    p->waits.ev_alloc = GQP__WAIT_INLINE_EVENTS;
     p->waits.max = 256;
     p->waits.max_events = 1024;
     p->epoch_origin = gqp_clock_epoch_ns();
@@ -162,8 +168,12 @@ GQP_API void gqp_profile_free(gqp_profile *p)
     gqp__map_free(&p->gindex);
     gqp__map_free(&p->waits.index);
     gqp__map_free(&p->waits.seen);
-    gqp__free(p->waits.sites);
-    gqp__free(p->waits.events);
+    if (p->waits.sites != p->waits.sites_inline) {
+        gqp__free(p->waits.sites);
+    }
+    if (p->waits.events != p->waits.events_inline) {
+        gqp__free(p->waits.events);
+    }
     p->magic = GQP__DEAD_MAGIC;
     gqp__free(p);
 }
@@ -523,6 +533,31 @@ GQP_API int64_t gqp_profile_wall_origin(const gqp_profile *p)
 
 /* ---- wait sites ------------------------------------------------------- */
 
+/* Grows *arr (which starts as the inline array `inl`) to n elements of
+ * size sz, keeping the first `used`.  false: no memory, nothing changed. */
+static bool grow_array(void **arr, void *inl, size_t *alloc, size_t n,
+                       size_t sz, size_t used)
+{
+    if (n <= *alloc) {
+        return false;
+    }
+    void *na;
+    if (*arr == inl) {
+        na = gqp__malloc(n * sz);
+        if (na && used) {
+            memcpy(na, inl, used * sz);
+        }
+    } else {
+        na = gqp__realloc(*arr, n * sz);
+    }
+    if (!na) {
+        return false;
+    }
+    *arr = na;
+    *alloc = n;
+    return true;
+}
+
 uint32_t gqp__profile_wait_site(gqp_profile *p, uint64_t site, bool *added,
                                 bool *nomem)
 {
@@ -539,17 +574,15 @@ uint32_t gqp__profile_wait_site(gqp_profile *p, uint64_t site, bool *added,
         return GQP__NOIDX;
     }
     if (w->len == w->alloc) {
-        size_t n = w->alloc ? w->alloc * 2 : 8;
+        size_t n = w->alloc * 2;
         if (n > w->max) {
             n = w->max;
         }
-        gqp_wait_stat *ns = gqp__realloc(w->sites, n * sizeof *ns);
-        if (!ns) {
+        if (!grow_array((void **)&w->sites, w->sites_inline, &w->alloc, n,
+                        sizeof *w->sites, w->len)) {
             *nomem = true;
             return GQP__NOIDX;
         }
-        w->sites = ns;
-        w->alloc = n;
     }
     bool fresh;
     v = gqp__map_put(&w->index, site, &fresh);
@@ -569,19 +602,20 @@ uint32_t gqp__profile_wait_site(gqp_profile *p, uint64_t site, bool *added,
 static void wait_event(gqp__waits *w, uint32_t i, uint64_t id, int64_t start,
                        int64_t end)
 {
+    if (w->nev >= w->max_events) {
+        w->events_dropped++;
+        return;
+    }
     if (w->nev == w->ev_alloc) {
-        size_t n = w->ev_alloc ? w->ev_alloc * 2 : 16;
+        size_t n = w->ev_alloc * 2;
         if (n > w->max_events) {
             n = w->max_events;
         }
-        gqp_wait_event *ne = n > w->ev_alloc
-            ? gqp__realloc(w->events, n * sizeof *ne) : NULL;
-        if (!ne) {
-            w->events_dropped++; /* full, or out of memory */
+        if (!grow_array((void **)&w->events, w->events_inline, &w->ev_alloc,
+                        n, sizeof *w->events, w->nev)) {
+            w->events_dropped++; /* out of memory */
             return;
         }
-        w->events = ne;
-        w->ev_alloc = n;
     }
     gqp_wait_event *e = &w->events[w->nev++];
     e->greenlet_id = id;

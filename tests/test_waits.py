@@ -127,21 +127,21 @@ def test_unsampled_requests_record_no_waits(serve):
         wait_upstream()
         return ok()(environ, start_response)
 
-    # (sites left by earlier tests' failed profiles wait for the
-    # registry's eviction: only this test's must go)
-    before = set(_registry.wait_sites)
+    # (records of profiles never read, e.g. by earlier fault tests, stay
+    # until the registry's bound drops them)
+    _registry.wait_sites.clear()
     s = serve(app, pct=0.0, trigger_header="X-Profile",
               trigger_secret="s3cret-s3cret", linger=0)
     assert s.get("/sampled", headers=[("X-Profile", "s3cret-s3cret")]).status \
         == 200
     s.profile_for("/sampled")
-    assert set(_registry.wait_sites) <= before  # taken out with the profile
+    assert not _registry.wait_sites  # taken out with the profile
     for _ in range(3):
         assert s.get("/unsampled").status == 200
     # (the hooks are installed: an unsampled request's greenlet is in no
     # profile, so no site is looked up or recorded)
     gevent.sleep(0.1)
-    assert set(_registry.wait_sites) <= before
+    assert not _registry.wait_sites
     assert [p.path for p in s.profiles] == ["/sampled"]
     assert site(s.profiles[0], "wait_upstream").count == 1
 
@@ -250,6 +250,8 @@ def test_the_inspector_shows_where_the_request_waited(browser, server):
     rows[i].click()
     stack = css(browser, "tr.gq-wait-stack pre.gq-stack")
     assert stack and stack[0].text.splitlines()[-1].endswith(" in fetch")
+    # the offcpu export is linked
+    assert [a for a in css(browser, "nav.gq-nav a") if a.text == "offcpu"]
     # the timeline: each wait on its greenlet's row, and the sites of the
     # request's waiting stretches
     assert len(css(browser, ".gq-waitsite")) == len(r.wait_events)
@@ -445,3 +447,27 @@ def test_many_sites_fill_the_table_and_the_caches(serve):
                    for w in p.waits)
         assert len(p.wait_events) == 256  # (waits at kept sites)
     assert "(4244 waits at further sites not recorded" in p.report()
+
+
+def test_a_site_reached_from_another_caller_gets_its_own_stack(serve):
+    """The hook reuses the record of a site whose stack is the same as last
+    time; reached through another caller, the stack is the new one."""
+    def via_a():
+        wait_upstream()
+
+    def via_b():
+        wait_upstream()
+
+    def app(environ, start_response):
+        {"/a": via_a, "/b": via_b}[environ["PATH_INFO"][:2]]()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    for path in ("/a1", "/a2", "/b1", "/a3"):
+        assert s.get(path).status == 200
+    stacks = {path: site(s.profile_for(path), "wait_upstream").stack
+              for path in ("/a1", "/a2", "/b1", "/a3")}
+    for path, stack in stacks.items():
+        caller = via_b if path.startswith("/b") else via_a
+        assert stack[-2].endswith(" in " + caller.__qualname__), stack
+    assert stacks["/a1"] == stacks["/a2"] == stacks["/a3"]

@@ -557,9 +557,11 @@ TEST(enomem_name_new_greenlet_changes_nothing)
     ASSERT_OK(gqp_set_allocator(NULL));
 }
 
-/* gqp_tracer_wait_at needs memory for a new site: without it, GQP_ENOMEM,
- * no site, no charge, nothing leaked; with it again, the next wait is
- * recorded. */
+/* The first wait sites and events of a profile live inside it: no
+ * allocation.  Past them, gqp_tracer_wait_at needs memory for a new site:
+ * without it, GQP_ENOMEM, no site, no charge, nothing leaked; with it
+ * again, the next wait is recorded.  An event that finds no memory is
+ * counted as dropped. */
 TEST(enomem_wait_at_changes_nothing)
 {
     counting_alloc a;
@@ -571,29 +573,56 @@ TEST(enomem_wait_at_changes_nothing)
     EV(gqp_tracer_switch(t, 0, KG, 0));
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, KH, 0));
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    long before = a.total;
+    for (uint64_t k = 1; k <= 4; k++) {
+        EV(gqp_tracer_switch(t, KG, KH, 0));
+        ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, UINT64_C(0x7700000000) + k * 16, NULL,
+                                              NULL)), GQP_EV_NEW_SITE);
+        fc_idle(&c, 1);
+        EV(gqp_tracer_switch(t, KH, KG, 0));
+    }
+    ASSERT_EQ_I64(a.total, before); /* (inside the profile) */
+    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 4);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
     a.fail_from = a.total + 1;
-    ASSERT_RC(gqp_tracer_wait_at(t, KG, FA, NULL, NULL), GQP_ENOMEM);
-    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, UINT64_C(0x7800000000), NULL, NULL), GQP_ENOMEM);
+    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 4);
     fc_idle(&c, 100);
     EV(gqp_tracer_switch(t, KH, KG, 0));
-    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
-    /* the first sites fit the first allocations: fail each one in turn */
+    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 4);
+    ASSERT_EQ_SIZE(gqp_profile_wait_event_count(p), 4);
+    /* the next allocations fail one at a time */
     for (long k = 1; k <= 3; k++) {
         a.fail_from = 0;
         a.fail_at = a.total + k;
         EV(gqp_tracer_switch(t, KG, KH, 0));
-        int rc = gqp_tracer_wait_at(t, KG, FA + (uint64_t)k * 16, NULL, NULL);
-        ASSERT_TRUE(rc == GQP_ENOMEM || rc == GQP_EV_NEW_SITE);
+        int rc = gqp_tracer_wait_at(t, KG, UINT64_C(0x7900000000) + (uint64_t)k * 16, NULL, NULL);
+        if (rc != GQP_ENOMEM && rc != GQP_EV_NEW_SITE)
+            FAIL("wait_at = %d (k=%ld)", rc, k);
         EV(gqp_tracer_switch(t, KH, KG, 0));
     }
+    /* events past the inline ones need memory too */
     a.fail_at = 0;
+    a.fail_from = a.total + 1;
+    for (int k = 0; k < 8; k++) {
+        EV(gqp_tracer_switch(t, KG, KH, 0));
+        EV(gqp_tracer_wait_at(t, KG, UINT64_C(0x7700000010), NULL, NULL));
+        EV(gqp_tracer_switch(t, KH, KG, 0));
+    }
+    ASSERT_TRUE(gqp_profile_wait_events_dropped(p) > 0);
+    ASSERT_EQ_U64(gqp_profile_wait_event_count(p) +
+                      gqp_profile_wait_events_dropped(p),
+                  4 + 3 + 8 - (7 - gqp_profile_wait_count(p)));
+    a.fail_from = 0;
     EV(gqp_tracer_switch(t, KG, KH, 0));
-    ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, FB, NULL, NULL)), GQP_EV_NEW_SITE);
+    ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, UINT64_C(0x7a00000000), NULL, NULL)),
+                    GQP_EV_NEW_SITE);
     fc_idle(&c, 7);
     EV(gqp_tracer_switch(t, KH, KG, 0));
     gqp_wait_stat w;
     ASSERT_OK(gqp_profile_wait(p, gqp_profile_wait_count(p) - 1, &w));
-    ASSERT_EQ_U64(w.site, FB);
+    ASSERT_EQ_U64(w.site, UINT64_C(0x7a00000000));
     ASSERT_EQ_I64(w.wait_ns, 7);
     ASSERT_EQ_U64(w.count, 1);
     gqp_tracer_free(t);

@@ -223,6 +223,18 @@ TEST(waits_not_charged_after_detach_close_or_clear)
     ASSERT_EQ_U64(get_wait(p, 0).count, 0);
     ASSERT_EQ_I64(get_wait(p, 0).wait_ns, 0);
 
+    /* detached and attached again at once, while waiting: the wait began
+     * before, in another attachment */
+    ASSERT_OK(gqp_tracer_attach(t, KG, p));
+    EV(gqp_tracer_switch(t, KG, HUB, 0));
+    EV(gqp_tracer_wait_at(t, KG, SITE1, NULL, NULL));
+    ASSERT_OK(gqp_tracer_attach(t, KG, NULL));
+    ASSERT_OK(gqp_tracer_attach(t, KG, p));
+    fc_idle(&c, 100);
+    EV(gqp_tracer_switch(t, HUB, KG, 0));
+    ASSERT_EQ_U64(get_wait(p, 0).count, 0);
+    ASSERT_OK(gqp_tracer_attach(t, KG, NULL));
+
     /* cleared while waiting: the new generation gets nothing */
     ASSERT_OK(gqp_tracer_attach(t, KG, p));
     EV(gqp_tracer_switch(t, KG, HUB, 0));
