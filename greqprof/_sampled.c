@@ -1334,21 +1334,23 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
         {str_loader, loader},
     };
     size_t n = sizeof kv / sizeof kv[0];
-    /* The fields go into the new object's own dict.  (Installing a dict
-     * made beforehand, PyObject_GenericSetDict, is not seen by attribute
-     * reads on 3.13, which keeps a new object's values inline.) */
+    /* The fields are set on the new object as attributes.  (A dict made
+     * beforehand and installed with PyObject_GenericSetDict is not seen
+     * by attribute reads on 3.13, which keeps a new object's values
+     * inline; setting them one by one also fills those inline values
+     * without making a dict, on 3.11+.) */
     PyObject *noargs = PyTuple_New(0);
     res = noargs ? PyBaseObject_Type.tp_new(rp_type, noargs, NULL) : NULL;
     Py_XDECREF(noargs);
-    fields = res ? PyObject_GenericGetDict(res, NULL) : NULL;
+    int ok = res != NULL;
     for (size_t i = 0; i < n; i++) {
-        if (fields && (!kv[i].v ||
-                       PyDict_SetItem(fields, kv[i].k, kv[i].v) < 0)) {
-            Py_CLEAR(fields);
+        if (ok && (!kv[i].v ||
+                   PyObject_GenericSetAttr(res, kv[i].k, kv[i].v) < 0)) {
+            ok = 0;
         }
         Py_XDECREF(kv[i].v);
     }
-    if (!fields) {
+    if (!ok) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_RuntimeError, "a field of the profile is "
                             "missing");
