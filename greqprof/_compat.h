@@ -33,11 +33,20 @@
 /* Py_NewRef / Py_XNewRef: public from 3.10 (3.9 lacked them: the floor
  * above). */
 
-/* PyType_GetName (3.11): the type's __name__, a new reference. */
+/* PyType_GetName (3.11): the type's own name, a new reference, read as
+ * 3.11 reads it (a heap type's stored name, else tp_name after its last
+ * dot): never through type.__name__, which a metaclass may override with
+ * Python that returns anything. */
 #if PY_VERSION_HEX < 0x030B0000
+#include <string.h>
 static inline PyObject *gqp_compat_type_name(PyTypeObject *t)
 {
-    return PyObject_GetAttrString((PyObject *)t, "__name__");
+    if ((t->tp_flags & Py_TPFLAGS_HEAPTYPE) &&
+        ((PyHeapTypeObject *)t)->ht_name) {
+        return Py_NewRef(((PyHeapTypeObject *)t)->ht_name);
+    }
+    const char *dot = strrchr(t->tp_name, '.');
+    return PyUnicode_FromString(dot ? dot + 1 : t->tp_name);
 }
 #define PyType_GetName gqp_compat_type_name
 #endif

@@ -55,3 +55,30 @@ def test_a_c_built_profile_reads_back_its_metadata(serve):
         # and the deferred fields are built on first read
         assert p.spans and p.wall > 0 and p.waiting.seconds >= 0
         assert p.to_dict()["request_id"] == "rid" + path
+
+
+class _ForgedName(type):
+    """A metaclass whose __name__ is Python that returns anything."""
+
+    @property
+    def __name__(cls):
+        return 12345   # (not even a str)
+
+
+class _AppError(Exception, metaclass=_ForgedName):
+    pass
+
+
+def test_error_type_named_without_running_the_metaclass(serve):
+    # The type's own name, as 3.11+'s PyType_GetName gives it: on 3.10 the
+    # compatibility call once read type.__name__, which ran this Python and
+    # handed an int to a %U format (a crash).
+    def failing(environ, start_response):
+        raise _AppError("boom")
+
+    s = serve(failing, pct=1.0, report=False)
+    s.get("/warm")
+    s.get("/e")
+    s.wait_profiles(2)
+    p = s.profile_for("/e")
+    assert p.error == "_AppError: boom"
