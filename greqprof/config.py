@@ -113,6 +113,8 @@ VARIABLES = {
     "GREQPROF_OTEL": ("otel", _bool, False),
     "GREQPROF_OTEL_SPANS": ("otel_spans", _bool, False),
     "GREQPROF_ENABLED": ("enabled", _bool, True),
+    "GREQPROF_BLOCKING_INTERVAL": ("blocking_interval", _float(0.0), 10.0),
+    "GREQPROF_JSON_MAX_BYTES": ("json_max_bytes", _int(1024), 65536),
 }
 
 #: options that may be read from the environment

@@ -157,14 +157,14 @@ def test_report_format(profiles):
     assert _field(text, "Greenlets") == str(len(p.greenlets))
     assert _field(text, "Start time").endswith(" UTC")
     assert "Spans dropped" not in text and "  Error:" not in text
-    # one block per span, in order
-    assert text.count("Span(") == len(p.spans)
-    ids = [int(x) for x in re.findall(r"^  greenlet_id=(\d+),$", text,
+    # one record per span shown (all of them: fewer than 10), in order
+    assert text.count("Span(") == len(p.spans) <= 10
+    ids = [int(x) for x in re.findall(r"^Span\(greenlet_id=(\d+), ", text,
                                       re.M)]
     assert ids == [s.greenlet_id for s in p.spans]
-    fns = re.findall(r"^  fn_name=(.*),$", text, re.M)
+    fns = re.findall(r" fn_name=(.*?), stack_trace=", text)
     assert fns == [s.fn_name for s in p.spans]
-    assert text.count("  stack_trace=") == len(p.spans)
+    assert text.count(" stack_trace=") == len(p.spans)
     assert len([sp for sp in p.spans if sp.long]) == 1
     assert re.search(r"^Waiting: \d+\.\d ms while other greenlets ran$",
                      text, re.M)
@@ -186,7 +186,7 @@ def test_long_span_and_blocking_event_both_have_the_stack(profiles):
     assert long[0].stack == p.blocking[0].stack
     assert p.longest_span.stack == long[0].stack
     text = p.report()
-    assert "  stack_trace=File " in text
+    assert " stack_trace=\n  File " in text
     assert _round_trip(p).spans == p.spans
 
 
@@ -273,3 +273,122 @@ def test_waiting_lines_name_only_what_is_known():
     assert lines[i + 1].split() == ["3.0", "ms", "greenlet", "7"]
     assert lines[i + 2].split() == ["1.0", "ms", "greenlet", "2", "Hub",
                                     "(gevent.hub.Hub.run)"]
+
+
+# ---------------------------------------------------------------------------
+# issue 16: a report people read (item 2) and greenlet names (item 7)
+
+def _child_sleeps(n):
+    for _ in range(n):
+        gevent.sleep(0)
+
+
+def sixty_spans_app(environ, start_response):
+    """The request's greenlet and three children: about 60 spans."""
+    kids = [gevent.spawn(_child_sleeps, 11) for _ in range(3)]
+    named = gevent.spawn(_child_sleeps, 2)
+    named.name = "poller"
+    for i in range(20):
+        if i == 7:
+            helper_in_request(20000)          # one clearly longer span
+        gevent.sleep(0)
+    gevent.joinall(kids + [named])
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def _span_records(text):
+    return re.findall(r"^Span\(greenlet_id=(\d+), greenlet_name=(.*?), "
+                      r"start_time=([\d.]+), end_time=([\d.]+), "
+                      r"duration=([\d.]+) ms, ", text, re.M)
+
+
+def test_report_of_60_spans_is_short_and_shows_the_longest(serve):
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty")
+    p = s.profile_for("/sixty")
+    assert len(p.spans) >= 60
+    text = p.report()
+    lines = text.split("\n")
+    assert len(lines) < 120, "%d lines" % len(lines)
+    assert lines[0] == ">>> Begin RequestProfile"
+    assert lines[-1] == "<<< End RequestProfile"
+    assert _field(text, "Number of spans") == str(len(p.spans))
+    shown = _span_records(text)
+    assert len(shown) == 10
+    assert ("... %d more spans not shown" % (len(p.spans) - 10)) in text
+    # the 10 longest, in start order
+    starts = [float(r[2]) for r in shown]
+    assert starts == sorted(starts)
+    shortest_shown = min(float(r[4]) for r in shown)
+    longest_hidden = sorted(sp.wall for sp in p.spans)[-11] * 1000.0
+    assert shortest_shown >= round(longest_hidden, 1)
+    assert max(sp.wall for sp in p.spans) * 1000.0 == pytest.approx(
+        max(float(r[4]) for r in shown), abs=0.06)
+    # spans=None: every span
+    full = p.report(spans=None)
+    assert len(_span_records(full)) == len(p.spans)
+    assert "more spans not shown" not in full
+
+
+def test_report_has_one_line_per_greenlet(serve):
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty")
+    p = s.profile_for("/sixty")
+    text = p.report()
+    lines = text.split("\n")
+    i = lines.index("Greenlets (CPU, wall, switches):")
+    rows = lines[i + 1:i + 1 + len(p.greenlets)]
+    assert len(p.greenlets) == 5
+    for g, row in zip(p.greenlets, rows):
+        cpu, _, wall, _, switches, rest = row.split(None, 5)
+        assert rest.startswith("greenlet %d " % g.id), row
+        assert cpu == "%.1f" % (g.cpu * 1000.0)
+        assert wall == "%.1f" % (g.wall * 1000.0)
+        assert int(switches) == g.switches
+    assert not lines[i + 1 + len(p.greenlets)].startswith("  ")
+
+
+def test_greenlets_are_named_after_the_request_and_their_function(serve):
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty?q=1")
+    p = s.profile_for("/sixty")
+    names = {g.name for g in p.greenlets}
+    assert "GET /sixty" in names
+    assert qualified_child in names
+    assert "poller" in names
+    assert not any(n.startswith("Greenlet") for n in names)
+    own = [g for g in p.greenlets if g.name == "GET /sixty"][0]
+    assert own.fn_name == "gevent.baseserver._handle_and_close_when_done"
+    assert {sp.greenlet_name for sp in p.spans} == names
+    text = p.report()
+    assert re.search(r"^ .* greenlet %d GET /sixty "
+                     r"\(gevent\.baseserver\._handle_and_close_when_done\)$"
+                     % own.id, text, re.M)
+    assert "greenlet_name=GET /sixty, " in text
+    # what the inspector's timeline shows
+    from greqprof.renderers.base import as_view
+    rows = {g.name for g in as_view(p).greenlet_rows()}
+    assert "GET /sixty" in rows and qualified_child in rows
+
+
+qualified_child = "%s._child_sleeps" % __name__
+
+
+def test_report_from_raw_rows_equals_report_from_records(serve):
+    """A deferred profile is rendered from the packed rows; once its
+    records are built, from them: the same text."""
+    s = serve(sixty_spans_app, pct=1.0, calls=False, blocking_ms=None)
+    s.get("/sixty")
+    s.get("/error")
+    s.wait_profiles(2)
+    for p in s.profiles:
+        assert "_loader" in p.__dict__
+        fast = p.report()
+        fast_all = p.report(spans=None)
+        assert "_loader" in p.__dict__     # (the rows, not the records)
+        p.spans  # noqa: B018  (builds the records)
+        assert "_loader" not in p.__dict__
+        assert p.report() == fast
+        assert p.report(spans=None) == fast_all
+        assert _round_trip(p).report() == fast
