@@ -269,6 +269,20 @@ _HEAD = """>>> Begin RequestProfile
   Greenlets: %d"""
 
 
+def _c_renderer():
+    """_registry.render_rows (_render.c), or None when it is missing."""
+    from . import _lowlevel, _registry
+    try:
+        if _lowlevel.lib.gqp_render_init() == 0:
+            return _registry.render_rows
+    except AttributeError:   # (a _core built before _render.c)
+        pass
+    return None
+
+
+_render_rows = _c_renderer()
+
+
 def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
                 greenlets=DEFAULT_GREENLETS, max_spans=None):
     """The RequestProfile report in the classic gevent request profiler
@@ -277,6 +291,35 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
     and the function table.  ``max_spans`` is the old name of ``spans``."""
     if max_spans is not None:
         spans = max_spans
+    d = p.__dict__
+    loader = d.get("_loader")
+    if loader is not None and _render_rows is not None:
+        from ._collect import request_records
+        if loader[0] is request_records:
+            head = _render_rows(d, loader[1], spans, greenlets, safe,
+                                _indent_stack)
+            if head is not None:
+                return _tail(p, [head], calls_limit)
+    return _render_py(p, spans, calls_limit, greenlets)
+
+
+def _tail(p, out, calls_limit):
+    """The report's sections after the waiting lines, then its end."""
+    waits = _waits(p)
+    if waits:
+        out.extend(render_waits(waits, DEFAULT_WAITS))
+    for b in p.blocking:
+        out.append("Blocking span: %s (CPU %s) in %s" % (
+            _ms(b.wall), _ms(b.cpu),
+            _who(b.greenlet_id, b.greenlet_name, b.fn_name)))
+    if p.calls is not None:
+        out.append(render_calls(p.calls, calls_limit))
+    out.append("<<< End RequestProfile")
+    return "\n".join(out)
+
+
+def _render_py(p, spans, calls_limit, greenlets):
+    """render_text in Python (any profile; the C path's reference)."""
     parts = _parts(p, spans, greenlets)
     n_total = parts.n_spans + p.dropped_spans
     out = [_HEAD % (
@@ -311,15 +354,7 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
         "" if parts.wait_complete else " (history incomplete)"))
     for gid, name, fn, seconds in parts.wait_top:
         out.append("  %10s  %s" % (_ms(seconds), _who(gid, name, fn)))
-    out.extend(render_waits(_waits(p), DEFAULT_WAITS))
-    for b in p.blocking:
-        out.append("Blocking span: %s (CPU %s) in %s" % (
-            _ms(b.wall), _ms(b.cpu),
-            _who(b.greenlet_id, b.greenlet_name, b.fn_name)))
-    if p.calls is not None:
-        out.append(render_calls(p.calls, calls_limit))
-    out.append("<<< End RequestProfile")
-    return "\n".join(out)
+    return _tail(p, out, calls_limit)
 
 
 def render_blocking(b):

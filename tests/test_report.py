@@ -392,3 +392,84 @@ def test_report_from_raw_rows_equals_report_from_records(serve):
         assert p.report() == fast
         assert p.report(spans=None) == fast_all
         assert _round_trip(p).report() == fast
+
+
+def hostile_app(environ, start_response):
+    g = gevent.spawn(_child_sleeps, 2)
+    g.name = "evil\nname\u202e" + "n" * 300
+    g.join()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def test_c_rendering_equals_python_rendering_on_hostile_text(serve):
+    from greqprof import report
+    assert report._render_rows is not None      # (the C path is built)
+    s = serve(hostile_app, pct=1.0)
+    s.get("/caf%C3%A9/%E2%80%AEx%0Ay" + "z" * 1100,
+          headers=[("X-Request-Id", "r\u00e9q")])
+    p = s.wait_profiles(1)[0]
+    assert "_loader" in p.__dict__
+    for n in (10, 1, 0, None):
+        fast = p.report(spans=n)
+        assert fast == report._render_py(p, n, 25, 20)   # (from the rows)
+        assert "\u202e" not in fast and "\x80" not in fast
+        assert "evil\\x0aname\\u202e" in fast
+        assert fast.count("\n") == report._render_py(
+            p, n, 25, 20).count("\n")
+    assert "_loader" in p.__dict__
+    fast = p.report()
+    p.spans  # noqa: B018
+    assert p.report() == fast
+
+
+def _synthetic(seed, n_spans, n_greenlets):
+    """A deferred RequestProfile over made-up rows: durations on the .x5
+    ms boundaries where "%.1f" rounding is decided by the last bits."""
+    import random
+    from greqprof._collect import GREENLET_ROW, SPAN_ROW, request_records
+    rnd = random.Random(seed)
+    gids = [1 + i * 7 for i in range(n_greenlets)]
+    t = 10 ** 12 + rnd.randrange(10 ** 9)
+    spans = []
+    for i in range(n_spans):
+        wall = rnd.choice([rnd.randrange(1, 10 ** 7), 50000 * (2 * i + 1),
+                           150000, 250000, 350000, 1050000, 0])
+        cpu = rnd.choice([-1, wall, wall // 3, 50000 * (2 * i + 1)])
+        spans.append(SPAN_ROW.pack(rnd.choice(gids), t, t + wall, cpu,
+                                   rnd.choice([0, 1]), 0))
+        t += wall + rnd.randrange(0, 300000)
+    grows = [GREENLET_ROW.pack(g, rnd.randrange(10 ** 6),
+                               rnd.choice([-1, 450000, rnd.randrange(10 ** 6)]),
+                               rnd.randrange(50), 0, 0, 0) for g in gids]
+    names = {g: rnd.choice([("Greenlet", "app.f%d" % g), ("worker-%d" % g, ""),
+                            ("", ""), ("Greenlet-%d" % g, "m.g"),
+                            ("greenlet-%d" % g, ""), ("caf\u00e9\n", "x.y")])
+             for g in gids}
+    top = ((2, 1250000, ("Hub", "gevent.hub.Hub.run")), (99, 50000, None),
+           (5, 10, ("greqprof.x", "greqprof.engine.f")))
+    raw = (b"".join(spans), b"".join(grows), None, t, 3450000, top,
+           bool(seed % 2), 0, 0, 1700000000 * 10 ** 9 + 123456789, 555,
+           names, {})
+    return RequestProfile(
+        method="GET", path="/s/%d" % seed, status="200 OK", start=1.7e9,
+        end=1.7e9 + 0.01, wall=0.01, cpu=None, spans=None, longest_span=None,
+        waiting=None, calls=None, dropped_spans=seed % 3, pid=4242,
+        request_id="r%d" % seed if seed % 2 else None), request_records, raw
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
+    from greqprof import report
+    p, loader, raw = _synthetic(seed, 5 + 13 * seed, 1 + seed * 3)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    p.__dict__["_loader"] = (loader, raw)
+    for n, g in ((10, 20), (None, None), (0, 0), (3, 1)):
+        fast = report._render_rows(p.__dict__, raw, n, g, report.safe,
+                                   report._indent_stack)
+        slow = report._render_py(p, n, 25, g)
+        assert fast + "\n<<< End RequestProfile" == slow
+    text = p.report()
+    p.spans  # noqa: B018
+    assert p.report() == text
