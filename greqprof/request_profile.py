@@ -13,6 +13,25 @@ from .stats import ChildStat, FuncStat, GreenletStat, Span
 SCHEMA = "greqprof.request_profile/1"
 
 
+def _flat(record):
+    """asdict() of a record whose fields are plain values (Span,
+    GreenletStat): its instance dict, which holds the fields in order
+    (asdict deep-copies field by field: ~10x slower)."""
+    d = getattr(record, "__dict__", None)
+    return dict(d) if d is not None else asdict(record)
+
+
+def _func(f):
+    """FuncStat.to_dict(), without asdict's recursion."""
+    d = getattr(f, "__dict__", None)
+    if d is None:
+        return f.to_dict()
+    d = dict(d)
+    d["children"] = tuple(_flat(c) for c in f.children)
+    d["tavg"] = f.tavg
+    return d
+
+
 def _size(text, kw):
     return (len(text) if kw.get("ensure_ascii", True)
             else len(text.encode("utf-8", "surrogatepass")))
@@ -210,17 +229,17 @@ class RequestProfile:
             "error": self.error,
             "dropped_spans": self.dropped_spans,
             "dropped_calls": self.dropped_calls,
-            "spans": [s.to_dict() for s in self.spans],
-            "longest_span": (self.longest_span.to_dict()
+            "spans": [_flat(s) for s in self.spans],
+            "longest_span": (_flat(self.longest_span)
                              if self.longest_span else None),
             "waiting": {
                 "seconds": self.waiting.seconds,
                 "complete": self.waiting.complete,
                 "top": [asdict(w) for w in self.waiting.top],
             },
-            "greenlets": [g.to_dict() for g in self.greenlets],
+            "greenlets": [_flat(g) for g in self.greenlets],
             "blocking": [b.to_dict() for b in self.blocking],
-            "calls": ([f.to_dict() for f in self.calls]
+            "calls": ([_func(f) for f in self.calls]
                       if self.calls is not None else None),
         }
 
