@@ -14,6 +14,12 @@ same handler.
     python bench/report_cost.py                 # ~20 s
     python bench/report_cost.py --markdown      # table for README/bench
     python bench/report_cost.py --quick         # smoke run (test suite)
+    python bench/report_cost.py --instructions  # callgrind counts, ~3 min
+
+--instructions counts instructions per call with valgrind's callgrind
+instead of timing (immune to what else the machine runs): each row runs
+twice in a fresh interpreter, N and 5N calls, and the difference of the
+totals over 4N is its count per call.
 
 Rows (a row whose code this checkout does not have is skipped, so the
 same script measures an older checkout too):
@@ -155,14 +161,85 @@ def measure(cfgs, p, rounds, per_round):
     return wall, cpu
 
 
+def run_only(key, n):
+    """--run: n calls of one row, untimed (the child of --instructions)."""
+    mw, p = sampled_profile()
+    d = tempfile.mkdtemp(prefix="greqprof-report-cost-")
+    path = os.path.join(d, "reports.log")
+    log, handler = file_logger(path, "greqprof.bench.report_cost")
+    fns = {k: f for k, _l, f in configs(mw, p, log)}
+    fns["none"] = lambda q: None    # (the copy alone: subtracted)
+    fn = fns[key]
+    fn(fresh(p))   # (first-call costs out of the difference)
+    for _ in range(n):
+        fn(fresh(p))
+    handler.close()
+    os.unlink(path)
+    os.rmdir(d)
+
+
+def instructions(keys, n):
+    import re
+    import shutil
+    import subprocess
+    if not shutil.which("valgrind"):
+        print("skipped: valgrind not installed")
+        return {}
+    out = {}
+    for key in keys:
+        totals = []
+        for calls in (n, 5 * n):
+            with tempfile.TemporaryDirectory() as d:
+                proc = subprocess.run(
+                    ["valgrind", "--tool=callgrind",
+                     "--callgrind-out-file=" + os.path.join(d, "cg.out"),
+                     sys.executable, os.path.abspath(__file__), "--run", key,
+                     "--n", str(calls)], capture_output=True, text=True)
+            m = re.search(r"Collected : (\d+)", proc.stderr)
+            if proc.returncode != 0 or not m:
+                raise SystemExit("callgrind failed for %s: %s"
+                                 % (key, proc.stderr[-1500:]))
+            totals.append(int(m.group(1)))
+        out[key] = (totals[1] - totals[0]) / (4.0 * n)
+        print("  %s: %.0f instructions per call" % (key, out[key]),
+              file=sys.stderr, flush=True)
+    none = out.pop("none", 0.0)
+    return {k: v - none for k, v in out.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions per call with callgrind")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--per-round", type=int, default=50)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.run:
+        run_only(args.run, args.n)
+        return 0
+    if args.instructions:
+        keys = ["bare", "text", "render", "text-py"]
+        counts = instructions(["none"] + keys,
+                              20 if args.quick else args.n)
+        if counts:
+            print("| configuration | instructions per call | over bare |")
+            print("|---|---:|---:|")
+            labels = {"bare": 'bare `logger.info("x")`',
+                      "text": "text report logged (`_deliver`, the "
+                              "default)",
+                      "render": "text report, rendered only (`report()`)",
+                      "text-py": "text report logged, rendered in Python"}
+            for key in keys:
+                if key in counts:
+                    print("| %s | %.0f | %s |" % (
+                        labels[key], counts[key], "—" if key == "bare"
+                        else "%+.0f" % (counts[key] - counts["bare"])))
+        return 0
     if args.quick:
         args.rounds, args.per_round = 2, 5
 

@@ -22,6 +22,7 @@ typedef struct {
     char *p;
     size_t n, cap;
     int failed;
+    int nonascii;   /* UTF-8 beyond ASCII was appended */
 } gqp_buf;
 
 static void buf_grow(gqp_buf *b, size_t more)
@@ -42,13 +43,16 @@ static void buf_grow(gqp_buf *b, size_t more)
     b->cap = cap;
 }
 
-static void buf_put(gqp_buf *b, const char *s, size_t n)
+static inline void buf_put(gqp_buf *b, const char *s, size_t n)
 {
-    buf_grow(b, n);
-    if (!b->failed) {
-        memcpy(b->p + b->n, s, n);
-        b->n += n;
+    if (b->n + n > b->cap) {
+        buf_grow(b, n);
+        if (b->failed) {
+            return;
+        }
     }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
 }
 
 static void buf_puts(gqp_buf *b, const char *s)
@@ -116,15 +120,16 @@ static int fmt_1f(char *tmp, double v)
     double y = a8 + a2;
     double bv = y - a8;
     double e = (a8 - (y - bv)) + (a2 - bv);   /* 10x == y + e exactly */
-    double fl = floor(y);
-    double frac = y - fl;               /* exact */
-    unsigned long long n = (unsigned long long)fl;
+    unsigned long long n = (unsigned long long)y;   /* floor (y >= 0) */
+    double frac = y - (double)n;        /* exact: y < 2^53 */
     /* (frac != 0.5: |e| < |frac - 0.5|, so frac alone decides) */
     if (frac > 0.5 || (frac == 0.5 && (e > 0 || (e == 0 && (n & 1))))) {
         n++;
     }
-    char *end = tmp + 39;
-    *end = '\0';
+    /* digits written backwards from the end of tmp, then moved to its
+     * start: callers append tmp[0..len) */
+    char rev[40];
+    char *end = rev + sizeof rev;
     char *p = end;
     *--p = (char)('0' + n % 10);
     *--p = '.';
@@ -133,7 +138,10 @@ static int fmt_1f(char *tmp, double v)
         *--p = '-';
     }
     int len = (int)(end - p);
-    memmove(tmp, p, (size_t)len + 1);
+    for (int i = 0; i < len; i++) {
+        tmp[i] = p[i];
+    }
+    tmp[len] = '\0';
     return len;
 }
 
@@ -211,6 +219,7 @@ static int buf_safe(gqp_buf *b, PyObject *obj, Py_ssize_t limit,
                                        : NULL;
     if (u) {
         buf_put(b, u, (size_t)n);
+        b->nonascii |= !PyUnicode_IS_ASCII(r);
     }
     Py_DECREF(r);
     return u ? 0 : -1;
@@ -258,6 +267,9 @@ static void buf_utc(gqp_buf *b, double ts)
 }
 
 static PyObject *str_greqprof_prefix;
+/* interned keys of the profile's dict (gqp_render_init) */
+static PyObject *k_path, *k_method, *k_status, *k_request_id, *k_error,
+    *k_pid, *k_dropped_spans, *k_start, *k_end, *k_wall;
 
 static int generic_name(PyObject *name)
 {
@@ -350,6 +362,73 @@ static int buf_who(gqp_buf *b, uint64_t gid, PyObject *name, PyObject *fn,
     return 0;
 }
 
+/* Per greenlet id, its texts rendered once per report (a greenlet has
+ * many spans): for greenlet lines (buf_who), and a span's greenlet_name
+ * and fn_name.  Offsets into the cache's own buffer; open addressing. */
+typedef struct {
+    uint64_t gid;   /* 0: empty slot (greenlet ids are never 0) */
+    size_t who_off, who_len, lab_off, lab_len, fn_off, fn_len;
+} gqp_name_ent;
+
+typedef struct {
+    gqp_name_ent *ent;
+    size_t mask;
+    gqp_buf text;
+    PyObject *names, *safe;
+} gqp_names_cache;
+
+static gqp_name_ent *names_get(gqp_names_cache *c, uint64_t gid)
+{
+    size_t i = (size_t)((gid * 0x9E3779B97F4A7C15ull) >> 7) & c->mask;
+    while (c->ent[i].gid && c->ent[i].gid != gid) {
+        i = (i + 1) & c->mask;
+    }
+    gqp_name_ent *e = &c->ent[i];
+    if (e->gid) {
+        return e;
+    }
+    PyObject *name, *fn;
+    int known = lookup_names(c->names, gid, &name, &fn);
+    if (known < 0) {
+        return NULL;
+    }
+    gqp_buf *t = &c->text;
+    size_t at = t->n;
+    int empty = !known || (!nonempty(name) && !nonempty(fn));
+    /* ("greenlet-N": shown as its id) */
+    if (buf_who(t, gid, empty ? NULL : name, empty ? NULL : fn,
+                c->safe) < 0) {
+        return NULL;
+    }
+    e->who_off = at;
+    e->who_len = t->n - at;
+    at = t->n;
+    if (known) {
+        PyObject *lab = label_of(name, fn);
+        if (nonempty(lab) && buf_safe(t, lab, 200, c->safe) < 0) {
+            return NULL;
+        }
+    } else {
+        BUF_LIT(t, "greenlet-");
+        buf_u64(t, gid, 0);
+    }
+    e->lab_off = at;
+    e->lab_len = t->n - at;
+    at = t->n;
+    if (known && (fn == Py_None || nonempty(fn)) &&
+        buf_safe(t, fn, 300, c->safe) < 0) {
+        return NULL;
+    }
+    e->fn_off = at;
+    e->fn_len = t->n - at;
+    if (t->failed) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    e->gid = gid;
+    return e;
+}
+
 typedef struct {
     uint64_t greenlet_id;
     int64_t wall_ns, cpu_ns;
@@ -399,9 +478,9 @@ static int by_cpu_wall_desc(const void *a, const void *b)
 }
 
 /* a dict field as a double; 0 (and no exception) when missing */
-static int field_double(PyObject *d, const char *key, double *out)
+static int field_double(PyObject *d, PyObject *key, double *out)
 {
-    PyObject *v = PyDict_GetItemString(d, key);
+    PyObject *v = PyDict_GetItem(d, key);
     if (!v || !PyFloat_Check(v)) {
         return 0;
     }
@@ -450,14 +529,14 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
     int complete = PyObject_IsTrue(PyTuple_GET_ITEM(raw, 6));
     long long epoch0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 9));
     long long wall0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 10));
-    PyObject *dropped_o = PyDict_GetItemString(d, "dropped_spans");
+    PyObject *dropped_o = PyDict_GetItem(d, k_dropped_spans);
     long long dropped = dropped_o ? PyLong_AsLongLong(dropped_o) : 0;
-    PyObject *pid_o = PyDict_GetItemString(d, "pid");
+    PyObject *pid_o = PyDict_GetItem(d, k_pid);
     long long pid = pid_o ? PyLong_AsLongLong(pid_o) : 0;
     double start_s = 0, end_s = 0, wall_s = 0;
     if (PyErr_Occurred() || complete < 0 ||
-        !field_double(d, "start", &start_s) ||
-        !field_double(d, "end", &end_s) || !field_double(d, "wall", &wall_s)) {
+        !field_double(d, k_start, &start_s) ||
+        !field_double(d, k_end, &end_s) || !field_double(d, k_wall, &wall_s)) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -470,6 +549,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
                    ng * (sizeof(gqp_render_grow) + 2 * sizeof(size_t) + 1) +
                    16;
     gqp_buf b = {0};
+    gqp_names_cache nc = {0};
     PyObject *res = NULL;
     char *block = PyMem_Malloc(bytes);
     if (!block) {
@@ -485,6 +565,19 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
     char *shown = (char *)(gpick + ng);
     char *gshown = shown + ns;
     memset(shown, 0, ns + ng);
+    size_t slots = 16;
+    while (slots < 2 * (ng + ns + 1) && slots < ((size_t)1 << 20)) {
+        slots *= 2;
+    }
+    nc.ent = PyMem_Calloc(slots, sizeof *nc.ent);
+    nc.mask = slots - 1;
+    nc.names = names;
+    nc.safe = safe;
+    if (!nc.ent) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    buf_grow(&b, 1024 + 192 * (ng + (ns < 64 ? ns : 64)));
     memcpy(sp, PyBytes_AS_STRING(span_rows), ns * sizeof *sp);
     memcpy(gr, PyBytes_AS_STRING(grow_rows), ng * sizeof *gr);
     int64_t n_show = limit_arg(args[2], (int64_t)ns);
@@ -593,18 +686,18 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
 
     /* the header */
     BUF_LIT(&b, ">>> Begin RequestProfile\n  Path: ");
-    if (buf_safe(&b, PyDict_GetItemString(d, "path"), 1024, safe) < 0) {
+    if (buf_safe(&b, PyDict_GetItem(d, k_path), 1024, safe) < 0) {
         goto done;
     }
     BUF_LIT(&b, "\n  Method: ");
-    if (buf_safe(&b, PyDict_GetItemString(d, "method"), 32, safe) < 0) {
+    if (buf_safe(&b, PyDict_GetItem(d, k_method), 32, safe) < 0) {
         goto done;
     }
     BUF_LIT(&b, "\n  Status: ");
-    if (buf_safe(&b, PyDict_GetItemString(d, "status"), 64, safe) < 0) {
+    if (buf_safe(&b, PyDict_GetItem(d, k_status), 64, safe) < 0) {
         goto done;
     }
-    PyObject *rid = PyDict_GetItemString(d, "request_id");
+    PyObject *rid = PyDict_GetItem(d, k_request_id);
     int has_rid = rid ? PyObject_IsTrue(rid) : 0;
     if (has_rid < 0) {
         goto done;
@@ -639,7 +732,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         buf_printf(&b, "\n  Spans dropped (max_spans reached): %lld",
                    dropped);
     }
-    PyObject *err = PyDict_GetItemString(d, "error");
+    PyObject *err = PyDict_GetItem(d, k_error);
     int has_err = err ? PyObject_IsTrue(err) : 0;
     if (has_err < 0) {
         goto done;
@@ -659,13 +752,10 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
                 continue;
             }
             const gqp_render_grow *g = &gr[gorder[k]];
-            PyObject *name, *fn;
-            int known = lookup_names(names, g->greenlet_id, &name, &fn);
-            if (known < 0) {
+            gqp_name_ent *e = g->greenlet_id ? names_get(&nc, g->greenlet_id)
+                                             : NULL;
+            if (!e) {
                 goto done;
-            }
-            if (!nonempty(name) && !nonempty(fn)) {
-                name = fn = NULL;   /* "greenlet-N": shown as its id */
             }
             BUF_LIT(&b, "\n  ");
             buf_ms(&b, g->cpu_ns >= 0, (double)g->cpu_ns * 1e-9, 10);
@@ -674,9 +764,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             BUF_LIT(&b, " ");
             buf_u64(&b, g->switches, 6);
             BUF_LIT(&b, "  ");
-            if (buf_who(&b, g->greenlet_id, name, fn, safe) < 0) {
-                goto done;
-            }
+            buf_put(&b, nc.text.p + e->who_off, e->who_len);
         }
         if ((size_t)g_show < ng) {
             buf_printf(&b, "\n  ... %lld more greenlets",
@@ -693,23 +781,15 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         }
         n_shown++;
         const gqp_span *s = &sp[order[k]];
-        PyObject *name, *fn;
-        int known = lookup_names(names, s->greenlet_id, &name, &fn);
-        if (known < 0) {
+        gqp_name_ent *e = s->greenlet_id ? names_get(&nc, s->greenlet_id)
+                                         : NULL;
+        if (!e) {
             goto done;
         }
         BUF_LIT(&b, "\nSpan(greenlet_id=");
         buf_u64(&b, s->greenlet_id, 0);
         BUF_LIT(&b, ", greenlet_name=");
-        if (known) {
-            PyObject *lab = label_of(name, fn);
-            if (nonempty(lab) && buf_safe(&b, lab, 200, safe) < 0) {
-                goto done;
-            }
-        } else {
-            buf_printf(&b, "greenlet-%llu",
-                       (unsigned long long)s->greenlet_id);
-        }
+        buf_put(&b, nc.text.p + e->lab_off, e->lab_len);
         double st = (double)(s->start_ns + shift) * 1e-9;
         double en = (double)(s->end_ns + shift) * 1e-9;
         double wall = (double)(s->end_ns - s->start_ns) * 1e-9;
@@ -724,10 +804,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         buf_puts(&b, (s->flags & GQP_SPAN_FINISHED)
                          ? ", finished=True, fn_name="
                          : ", finished=False, fn_name=");
-        if (known && (fn == Py_None || nonempty(fn)) &&
-            buf_safe(&b, fn, 300, safe) < 0) {
-            goto done;
-        }
+        buf_put(&b, nc.text.p + e->fn_off, e->fn_len);
         BUF_LIT(&b, ", stack_trace=");
         PyObject *text = NULL;
         if (s->tag && stacks != Py_None && PyDict_Check(stacks)) {
@@ -750,6 +827,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             if (u) {
                 BUF_LIT(&b, "\n");
                 buf_put(&b, u, (size_t)n);
+                b.nonascii |= !PyUnicode_IS_ASCII(r);
             }
             Py_XDECREF(r);
             if (!u) {
@@ -804,10 +882,20 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         PyErr_NoMemory();
         goto done;
     }
-    res = PyUnicode_DecodeUTF8(b.p ? b.p : "", (Py_ssize_t)b.n, "strict");
+    if (b.nonascii || nc.text.nonascii) {
+        res = PyUnicode_DecodeUTF8(b.p, (Py_ssize_t)b.n, "strict");
+    } else {
+        /* (the common case: plain ASCII, copied as it is) */
+        res = PyUnicode_New((Py_ssize_t)b.n, 127);
+        if (res) {
+            memcpy(PyUnicode_1BYTE_DATA(res), b.p, b.n);
+        }
+    }
 done:
     PyMem_Free(block);
     PyMem_Free(b.p);
+    PyMem_Free(nc.ent);
+    PyMem_Free(nc.text.p);
     return res;
 }
 
@@ -822,12 +910,23 @@ static int gqp_render_init(void)
 {
     PyGILState_STATE gs = PyGILState_Ensure();
     int rc = -1;
-    if (!str_greqprof_prefix) {
-        str_greqprof_prefix = PyUnicode_InternFromString("greqprof.");
+    struct { PyObject **s; const char *v; } strs[] = {
+        {&str_greqprof_prefix, "greqprof."}, {&k_path, "path"},
+        {&k_method, "method"}, {&k_status, "status"},
+        {&k_request_id, "request_id"}, {&k_error, "error"}, {&k_pid, "pid"},
+        {&k_dropped_spans, "dropped_spans"}, {&k_start, "start"},
+        {&k_end, "end"}, {&k_wall, "wall"},
+    };
+    int ok = 1;
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
+        if (!*strs[i].s &&
+            !(*strs[i].s = PyUnicode_InternFromString(strs[i].v))) {
+            ok = 0;
+        }
     }
     PyObject *reg = PyImport_ImportModule("greqprof._registry");
     PyObject *fn = PyCFunction_New(&render_rows_def, NULL);
-    if (reg && fn && str_greqprof_prefix &&
+    if (reg && fn && ok &&
         PyObject_SetAttrString(reg, "render_rows", fn) == 0) {
         rc = 0;
     }

@@ -283,6 +283,18 @@ def _c_renderer():
 _render_rows = _c_renderer()
 
 
+def _request_records():
+    # (imported on first use: _collect imports this package's records)
+    global _records_loader
+    if _records_loader is None:
+        from ._collect import request_records
+        _records_loader = request_records
+    return _records_loader
+
+
+_records_loader = None
+
+
 def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
                 greenlets=DEFAULT_GREENLETS, max_spans=None):
     """The RequestProfile report in the classic gevent request profiler
@@ -294,8 +306,7 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
     d = p.__dict__
     loader = d.get("_loader")
     if loader is not None and _render_rows is not None:
-        from ._collect import request_records
-        if loader[0] is request_records:
+        if loader[0] is _request_records():
             head = _render_rows(d, loader[1], spans, greenlets, safe,
                                 _indent_stack)
             if head is not None:
