@@ -300,3 +300,55 @@ def test_serve_a_file_path_says_use_module_app(tmp_path):
                        timeout=30)
     assert r.returncode == 2
     assert "serve myapp:app" in r.stderr.decode()
+
+
+def test_viewing_md_python_snippet_runs_as_pasted(serve, tmp_path):
+    """docs/viewing.md's "From Python" block, pasted into a fresh
+    interpreter next to a saved profile, runs."""
+    import re
+    s = serve(flood_app, pct=1.0)
+    s.get("/saved")
+    s.profile_for("/saved").save(str(tmp_path / "req.json"))
+    with open(os.path.join(ROOT, "docs", "viewing.md"),
+              encoding="utf-8") as f:
+        code = re.search(r"## From Python\n\n```python\n(.*?)```", f.read(),
+                         re.S).group(1)
+    (tmp_path / "snippet.py").write_text(code)
+    r = subprocess.run([sys.executable, "snippet.py"], capture_output=True,
+                       timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "req.pstats").stat().st_size > 0
+    assert json.loads((tmp_path / "req.json").read_text())["path"] == \
+        "/saved"
+
+
+def test_waited_at_section_lists_the_top_sites():
+    """The report's "Waited at" section (issue 16, item 2) from wait
+    records (their producer is the waits work: records with fn_name,
+    filename, lineno, stack, seconds, count, greenlets)."""
+    from collections import namedtuple
+    from greqprof import RequestProfile, Waiting
+    from greqprof.report import render_waits
+    W = namedtuple("W", "fn_name filename lineno stack seconds count "
+                        "greenlets")
+    waits = [W("wait_upstream", "/srv/app.py", 12, (), 0.0412, 3, 2),
+             W("read_slow\nsocket", "/srv/net.py", 40, (), 0.0051, 1, 1)]
+    waits += [W("f%d" % i, "/srv/x.py", i, (), 0.001, 1, 1)
+              for i in range(6)]
+    assert render_waits((), 5) == []
+    lines = render_waits(waits, 5)
+    assert lines[0] == ("Waited at (top 5 of 8 sites: time, switch-outs, "
+                        "greenlets):")
+    assert lines[1].split() == ["41.2", "ms", "3x", "2", "wait_upstream",
+                                "(/srv/app.py:12)"]
+    assert "read_slow\\x0asocket (/srv/net.py:40)" in lines[2]
+    assert len(lines) == 6
+    p = RequestProfile(method="GET", path="/w", status="200 OK", start=0.0,
+                       end=0.05, wall=0.05, cpu=None, spans=[],
+                       longest_span=None, calls=None,
+                       waiting=Waiting(seconds=0.046))
+    p.waits = waits
+    text = p.report()
+    assert "\nWaited at (top 5 of 8 sites" in text
+    assert text.index("Waiting:") < text.index("Waited at") < \
+        text.index("<<< End")
