@@ -697,6 +697,13 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         method = path = rid = None
         if owner is not None:
             method, path, rid = owner.method, owner.path, owner.request_id
+            if getattr(owner, "gid", None) == gid and method and path:
+                # the request's own greenlet: named after the request, as
+                # in its profile (an unsampled request's is not known)
+                name = "%s %s" % (method, path)
+        if fn and (not name or name == "Greenlet" or
+                   name.startswith(("Greenlet-", "greenlet-"))):
+            name = fn   # (unnamed: by its function, as in profiles)
         origin_epoch = _lowlevel.lib.gqp_clock_epoch_ns() - _lowlevel.wall_ns()
         return BlockingEvent(
             greenlet_id=gid, greenlet_name=name or "", fn_name=fn or "",

@@ -4,6 +4,7 @@ default (4), blocking WARNINGs that do not flood (5), bounded JSON lines
 tested in test_report.py."""
 import inspect
 import json
+import re
 import logging
 import os
 import subprocess
@@ -151,6 +152,11 @@ def test_one_warning_per_site_then_a_summary(serve, caplog):
     assert len(warned) == 2, warned
     assert any("_hold_the_loop" in w for w in warned)
     assert any("_hold_elsewhere" in w for w in warned)
+    # the request's own greenlet is named after the request (item 7)
+    assert {b.greenlet_name for b in p.blocking} == {"GET /flood"}
+    assert all(re.match(r"Blocking span: greenlet \d+ GET /flood "
+                        r"\(gevent\.baseserver\._handle_and_close_when_done"
+                        r"\) held the event loop", w) for w in warned), warned
     assert s.mw.stats["blocking_not_logged"] == 3
     # after the interval, the drain loop (every second) sums up the rest
     wait_for(lambda: [m for m in messages(caplog, logging.WARNING)
@@ -305,7 +311,6 @@ def test_serve_a_file_path_says_use_module_app(tmp_path):
 def test_viewing_md_python_snippet_runs_as_pasted(serve, tmp_path):
     """docs/viewing.md's "From Python" block, pasted into a fresh
     interpreter next to a saved profile, runs."""
-    import re
     s = serve(flood_app, pct=1.0)
     s.get("/saved")
     s.profile_for("/saved").save(str(tmp_path / "req.json"))
