@@ -719,17 +719,26 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         _log_blocking_summaries)."""
         try:
             sites = self._blocking_sites
-            if not sites.admit(ev, _monotonic()):
+            admitted = sites.admit(ev, _monotonic())
+            if not admitted:
                 self.stats["blocking_not_logged"] += 1
                 return
-            _ensure_visible(self.log)
-            for summary in self._blocking_sites.expired(_monotonic()) \
-                    if self._blocking_sites.pending else ():
-                self._log_summary(*summary)
-            if self.json_logs:
-                self.log.warning(json.dumps(ev.to_dict()))
-            else:
-                self.log.warning(render_blocking(ev))
+            logged = False
+            try:
+                _ensure_visible(self.log)
+                for summary in sites.expired(_monotonic()) \
+                        if sites.pending else ():
+                    self._log_summary(*summary)
+                if self.json_logs:
+                    self.log.warning(json.dumps(ev.to_dict()))
+                else:
+                    self.log.warning(render_blocking(ev))
+                logged = True
+            finally:
+                if not logged:
+                    # (a handler raised, e.g. GreenletExit: the event is
+                    # requeued, and its site must let it through then)
+                    sites.undo(admitted)
         except Exception as e:
             self._internal_error("logging", e)
 
@@ -900,7 +909,8 @@ class _BlockingSites:
         self.pending = []  # summaries due before the next WARNING
 
     def admit(self, ev, now):
-        """True: log ev now.  False: counted against its site instead."""
+        """Truthy: log ev now (pass it to undo() if that failed).  False:
+        counted against its site instead."""
         if self.interval <= 0:
             return True
         site = blocking_site(ev)
@@ -914,8 +924,19 @@ class _BlockingSites:
         if entry is not None and entry[1]:
             # (its summary was not printed yet: it goes with this one)
             self.pending.append((site, entry[1], entry[2], self.interval))
+            entry = [entry[0], 0, 0.0]
         self.sites[site] = [now, 0, 0.0]
-        return True
+        return (site, entry)
+
+    def undo(self, admitted):
+        """Forgets that admit() let an event through (it was not logged)."""
+        if admitted is True:
+            return
+        site, previous = admitted
+        if previous is None:
+            self.sites.pop(site, None)
+        else:
+            self.sites[site] = previous
 
     def _make_room(self, now):
         for site in list(self.sites)[:self.MAX // 4]:

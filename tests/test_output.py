@@ -357,3 +357,37 @@ def test_waited_at_section_lists_the_top_sites():
     assert "\nWaited at (top 5 of 8 sites" in text
     assert text.index("Waiting:") < text.index("Waited at") < \
         text.index("<<< End")
+
+
+def test_an_event_whose_warning_failed_is_let_through_again():
+    """A handler that raised (GreenletExit: the drain requeues the event)
+    must not leave the site marked as logged."""
+    sites = _BlockingSites(10.0)
+    ev = _event(fn="app.f")
+    first = sites.admit(ev, 1.0)
+    assert first
+    sites.undo(first)
+    again = sites.admit(ev, 1.1)
+    assert again
+    assert not sites.admit(ev, 1.2)       # now it was logged
+    # an interval with held-back events: undo keeps their count
+    later = sites.admit(ev, 20.0)
+    assert later and sites.pending        # the summary of the last interval
+    sites.undo(later)
+    assert sites.admit(ev, 20.1)
+
+
+def test_the_default_handler_is_not_added_when_logging_is_configured(
+        serve, caplog):
+    """caplog's handler sits on the root logger: the hierarchy has one,
+    so greqprof adds none."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    s = serve(flood_app, pct=1.0)
+    s.get("/x")
+    s.profile_for("/x")
+    wait_for(lambda: messages(caplog, logging.INFO), 10, "the report")
+    from greqprof.middleware import _DefaultHandler
+    c = logging.getLogger(LOGGER)
+    while c is not None:
+        assert not any(isinstance(h, _DefaultHandler) for h in c.handlers)
+        c = c.parent
