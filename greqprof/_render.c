@@ -5,7 +5,8 @@
  * _registry.render_rows(fields, raw, n_spans, n_greenlets, safe, stack)
  * renders a deferred RequestProfile from read_profile's packed rows
  * (_hooks.c; fields: the profile's __dict__, raw: its loader's argument)
- * from ">>> Begin RequestProfile" through the waiting lines, exactly as
+ * from ">>> Begin RequestProfile" through the waiting lines (and the end
+ * line when `end` is true: the report has no later section), exactly as
  * greqprof/report.py's Python path does (tests/test_report.py compares
  * them).  n_spans/n_greenlets: how many to show (None: all).  safe and
  * stack: report.safe and report._indent_stack, called only for text that
@@ -172,16 +173,27 @@ static void buf_1f(gqp_buf *b, double v)
     buf_put(b, tmp, (size_t)n);
 }
 
-/* 1 when s is plain printable ASCII (0x20..0x7e): clean() keeps it. */
+/* 1 when s is plain printable ASCII (0x20..0x7e): clean() keeps it.
+ * Eight bytes at a time: bytes are < 0x80 (IS_ASCII), so a byte < 0x20
+ * or == 0x7f sets its high bit in the masks below. */
 static int plain_ascii(PyObject *s)
 {
     if (!PyUnicode_CheckExact(s) || !PyUnicode_IS_ASCII(s)) {
         return 0;
     }
     const unsigned char *c = PyUnicode_1BYTE_DATA(s);
-    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (c[i] < 0x20 || c[i] > 0x7e) {
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s), i = 0;
+    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, c + i, 8);
+        uint64_t del = w ^ (0x7f * ones);
+        if (((w - 0x20 * ones) | (del - ones)) & ~w & high) {
+            return 0;
+        }
+    }
+    for (; i < n; i++) {
+        if (c[i] < 0x20 || c[i] == 0x7f) {
             return 0;
         }
     }
@@ -277,16 +289,20 @@ static int generic_name(PyObject *name)
         return 1;   /* (None: "", as `name or ""`) */
     }
     Py_ssize_t n = PyUnicode_GET_LENGTH(name);
-    if (n == 0 || PyUnicode_CompareWithASCIIString(name, "Greenlet") == 0 ||
-        PyUnicode_CompareWithASCIIString(name, "greenlet") == 0) {
+    if (n == 0) {
         return 1;
     }
-    if (n >= 9 && PyUnicode_IS_ASCII(name)) {
-        const char *c = (const char *)PyUnicode_1BYTE_DATA(name);
-        return strncmp(c, "Greenlet-", 9) == 0 ||
-               strncmp(c, "greenlet-", 9) == 0;
+    if (n < 8 || !PyUnicode_IS_ASCII(name)) {
+        return 0;
     }
-    return 0;
+    const char *c = (const char *)PyUnicode_1BYTE_DATA(name);
+    if (c[0] != 'G' && c[0] != 'g') {
+        return 0;
+    }
+    if (memcmp(c + 1, "reenlet", 7) != 0) {
+        return 0;
+    }
+    return n == 8 || c[8] == '-';   /* "Greenlet", "greenlet", "...-N" */
 }
 
 static int nonempty(PyObject *s)
@@ -504,9 +520,14 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 6 || !PyDict_Check(args[0]) || !PyTuple_Check(args[1])) {
+    if (nargs < 6 || nargs > 7 || !PyDict_Check(args[0]) ||
+        !PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "render_rows(fields, raw, n_spans, "
-                        "n_greenlets, safe, stack)");
+                        "n_greenlets, safe, stack[, end])");
+        return NULL;
+    }
+    int end_marker = nargs == 7 ? PyObject_IsTrue(args[6]) : 0;
+    if (end_marker < 0) {
         return NULL;
     }
     PyObject *d = args[0], *raw = args[1], *safe = args[4],
@@ -565,8 +586,17 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
     char *shown = (char *)(gpick + ng);
     char *gshown = shown + ns;
     memset(shown, 0, ns + ng);
+    memcpy(sp, PyBytes_AS_STRING(span_rows), ns * sizeof *sp);
+    memcpy(gr, PyBytes_AS_STRING(grow_rows), ng * sizeof *gr);
+    int64_t n_show = limit_arg(args[2], (int64_t)ns);
+    int64_t g_show = limit_arg(args[3], (int64_t)ng);
+    if (n_show < 0 || g_show < 0) {
+        goto done;
+    }
+    /* (distinct ids among the lines shown: at most ng + the spans shown) */
+    size_t ids = ng + ((size_t)n_show < ns ? (size_t)n_show : ns) + 1;
     size_t slots = 16;
-    while (slots < 2 * (ng + ns + 1) && slots < ((size_t)1 << 20)) {
+    while (slots < 2 * ids && slots < ((size_t)1 << 24)) {
         slots *= 2;
     }
     nc.ent = PyMem_Calloc(slots, sizeof *nc.ent);
@@ -577,14 +607,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         PyErr_NoMemory();
         goto done;
     }
-    buf_grow(&b, 1024 + 192 * (ng + (ns < 64 ? ns : 64)));
-    memcpy(sp, PyBytes_AS_STRING(span_rows), ns * sizeof *sp);
-    memcpy(gr, PyBytes_AS_STRING(grow_rows), ng * sizeof *gr);
-    int64_t n_show = limit_arg(args[2], (int64_t)ns);
-    int64_t g_show = limit_arg(args[3], (int64_t)ng);
-    if (n_show < 0 || g_show < 0) {
-        goto done;
-    }
+    buf_grow(&b, 1024 + 192 * (ids < 64 ? ids : 64));
 
     /* spans in start order (as recorded, normally: then no sort); the
      * n_show longest of them shown */
@@ -877,6 +900,9 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         if (buf_who(&b, gid, name, fn, safe) < 0) {
             goto done;
         }
+    }
+    if (end_marker) {
+        BUF_LIT(&b, "\n<<< End RequestProfile");
     }
     if (b.failed) {
         PyErr_NoMemory();

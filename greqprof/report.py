@@ -307,10 +307,14 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
     loader = d.get("_loader")
     if loader is not None and _render_rows is not None:
         if loader[0] is _request_records():
-            head = _render_rows(d, loader[1], spans, greenlets, safe,
-                                _indent_stack)
-            if head is not None:
-                return _tail(p, [head], calls_limit)
+            # (the common report has no section after the waiting lines:
+            # C writes the end line too, saving a copy of the text)
+            last = not d.get("blocking") and d.get("calls") is None and \
+                not _waits(p)
+            text = _render_rows(d, loader[1], spans, greenlets, safe,
+                                _indent_stack, last)
+            if text is not None:
+                return text if last else _tail(p, [text], calls_limit)
     return _render_py(p, spans, calls_limit, greenlets)
 
 

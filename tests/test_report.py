@@ -444,7 +444,10 @@ def _synthetic(seed, n_spans, n_greenlets):
                                rnd.randrange(50), 0, 0, 0) for g in gids]
     names = {g: rnd.choice([("Greenlet", "app.f%d" % g), ("worker-%d" % g, ""),
                             ("", ""), ("Greenlet-%d" % g, "m.g"),
-                            ("greenlet-%d" % g, ""), ("caf\u00e9\n", "x.y")])
+                            ("greenlet-%d" % g, ""), ("caf\u00e9\n", "x.y"),
+                            ("abcdefghij\x7fk", "m.h"),
+                            ("abcdefghijklmnop\x01", "m.i" * 120),
+                            ("Greenlet-", "m.j"), ("greenlet", "m.k")])
              for g in gids}
     top = ((2, 1250000, ("Hub", "gevent.hub.Hub.run")), (99, 50000, None),
            (5, 10, ("greqprof.x", "greqprof.engine.f")))
@@ -470,6 +473,8 @@ def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
                                    report._indent_stack)
         slow = report._render_py(p, n, 25, g)
         assert fast + "\n<<< End RequestProfile" == slow
+        assert report._render_rows(p.__dict__, raw, n, g, report.safe,
+                                   report._indent_stack, True) == slow
     text = p.report()
     p.spans  # noqa: B018
     assert p.report() == text
