@@ -169,7 +169,9 @@ def run_only(key, n):
     log, handler = file_logger(path, "greqprof.bench.report_cost")
     fns = {k: f for k, _l, f in configs(mw, p, log)}
     fns["none"] = lambda q: None    # (the copy alone: subtracted)
-    fn = fns[key]
+    fn = fns.get(key)
+    if fn is None:
+        raise SystemExit(3)   # (a row this checkout does not have)
     fn(fresh(p))   # (first-call costs out of the difference)
     for _ in range(n):
         fn(fresh(p))
@@ -196,10 +198,14 @@ def instructions(keys, n):
                      sys.executable, os.path.abspath(__file__), "--run", key,
                      "--n", str(calls)], capture_output=True, text=True)
             m = re.search(r"Collected : (\d+)", proc.stderr)
+            if proc.returncode == 3:
+                break
             if proc.returncode != 0 or not m:
                 raise SystemExit("callgrind failed for %s: %s"
                                  % (key, proc.stderr[-1500:]))
             totals.append(int(m.group(1)))
+        if len(totals) < 2:
+            continue
         out[key] = (totals[1] - totals[0]) / (4.0 * n)
         print("  %s: %.0f instructions per call" % (key, out[key]),
               file=sys.stderr, flush=True)
