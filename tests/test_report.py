@@ -478,3 +478,15 @@ def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
     text = p.report()
     p.spans  # noqa: B018
     assert p.report() == text
+
+
+def test_text_files_keep_every_span(serve):
+    """The log report shows the 10 longest spans; a text file (the
+    "text" renderer: profile_dir, `view --format text`) shows them all."""
+    from greqprof.renderers import render
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty")
+    p = s.profile_for("/sixty")
+    text = render(p, "text")
+    assert len(_span_records(text)) == len(p.spans) > 10
+    assert "more spans not shown" not in text
