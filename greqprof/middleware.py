@@ -9,6 +9,7 @@ import random
 import re
 import socket
 import sys
+import threading
 import time
 import weakref
 
@@ -858,18 +859,21 @@ def _ensure_visible(logger):
     WARNINGs only, and only the message), adds a _DefaultHandler."""
     if logger.name in _checked_loggers:
         return
-    _checked_loggers.add(logger.name)
-    if len(_checked_loggers) > 1000:   # (logger names a user passes)
-        _checked_loggers.clear()
-    if logger.hasHandlers():
-        return
-    set_level = logger.level == logging.NOTSET
-    logger.addHandler(_DefaultHandler(logger, set_level))
-    if set_level:
-        logger.setLevel(logging.INFO)
+    with _checked_lock:   # (threads: one handler, not one each)
+        if logger.name in _checked_loggers:
+            return
+        if len(_checked_loggers) >= 1000:   # (logger names a user passes)
+            _checked_loggers.clear()
+        if not logger.hasHandlers():
+            set_level = logger.level == logging.NOTSET
+            logger.addHandler(_DefaultHandler(logger, set_level))
+            if set_level:
+                logger.setLevel(logging.INFO)
+        _checked_loggers.add(logger.name)
 
 
 _checked_loggers = set()
+_checked_lock = threading.Lock()
 
 
 # -- blocking WARNINGs that do not flood (issue 16, item 5) ------------------
