@@ -10,6 +10,7 @@ read out, without building a Span object per span (``_raw_parts``); any
 other profile from its records (``_record_parts``).  Both feed the same
 formatting, so the text is the same either way."""
 import heapq
+import struct
 import time
 
 from ._text import clean
@@ -245,14 +246,57 @@ def _parts(p, n_spans, n_greenlets):
 
 
 def _waits(p):
-    """p.waits, without building a deferred profile's other fields when
-    waits is not one of them."""
+    """p.waits, without building a deferred profile's other fields (its
+    spans: what the C renderer avoids) just to read them."""
     d = p.__dict__
     if "waits" in d:
         return d["waits"] or ()
-    if "_loader" in d and "waits" not in type(p).DEFERRED:
-        return ()
+    loader = d.get("_loader")
+    if loader is not None:
+        if "waits" not in type(p).DEFERRED:
+            return ()
+        if loader[0] is _request_records():
+            waits = _raw_waits(loader[1])
+            if waits is not None:
+                return waits
     return getattr(p, "waits", None) or ()
+
+
+class _Wait:
+    """A wait site read from the rows (the fields render_waits reads)."""
+    __slots__ = ("fn_name", "filename", "lineno", "stack", "seconds",
+                 "count", "greenlets")
+
+    def __init__(self, fn_name, filename, lineno, stack, seconds, count,
+                 greenlets):
+        self.fn_name, self.filename, self.lineno = fn_name, filename, lineno
+        self.stack, self.seconds, self.count = stack, seconds, count
+        self.greenlets = greenlets
+
+
+def _raw_waits(raw):
+    """A deferred profile's wait sites, largest first, from its rows
+    (read_profile's item 13: (records, site rows, dropped, events), the
+    layout _collect.wait_sites reads), without the per-event records
+    building every field would make; None when the rows are not in that
+    layout."""
+    from . import _collect
+    row = getattr(_collect, "WAIT_SITE_ROW", None)
+    if row is None or len(raw) <= 13:
+        return None if row is None else ()
+    try:
+        records, stats = raw[13][0], raw[13][1]
+        out = []
+        for rec, (_k, ns, count, greenlets, _t, _r) in zip(
+                records, row.iter_unpack(stats)):
+            _code, fn, filename, line, stack = rec or (None, "?", "", 0,
+                                                       ())
+            out.append(_Wait(fn, filename, line, stack, ns * 1e-9, count,
+                             greenlets))
+    except (TypeError, ValueError, IndexError, struct.error):
+        return None
+    out.sort(key=lambda w: -w.seconds)   # (stable, as wait_sites)
+    return out
 
 
 _HEAD = """>>> Begin RequestProfile

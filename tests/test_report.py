@@ -490,3 +490,40 @@ def test_text_files_keep_every_span(serve):
     text = render(p, "text")
     assert len(_span_records(text)) == len(p.spans) > 10
     assert "more spans not shown" not in text
+
+
+def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
+        monkeypatch):
+    """When wait sites are deferred fields (the waits work: read_profile's
+    item 13 and _collect.WAIT_SITE_ROW), the report reads them from the
+    rows: the spans are not built for it."""
+    import struct
+    from greqprof import _collect, report
+    p, loader, raw = _synthetic(3, 30, 6)
+    row = struct.Struct("=QqQQII")
+    records = [(None, "read_slow", "/srv/net.py", 40, ()),
+               (None, "wait_upstream", "/srv/app.py", 12, ())]
+    stats = row.pack(1, 5000000, 2, 1, 0, 0) + row.pack(2, 41200000, 3, 2,
+                                                        0, 0)
+    raw = raw + ((records, stats, 0, b""),)
+    calls = []
+
+    def counting_loader(arg):
+        calls.append(1)
+        out = loader(arg)
+        out.update(waits=[], dropped_waits=0, wait_events=[])
+        return out
+    monkeypatch.setattr(_collect, "WAIT_SITE_ROW", row, raising=False)
+    monkeypatch.setattr(report, "_records_loader", counting_loader)
+    monkeypatch.setattr(RequestProfile, "DEFERRED",
+                        RequestProfile.DEFERRED + ("waits",))
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    p.__dict__["_loader"] = (counting_loader, raw)
+    text = p.report()
+    assert not calls, "the report built the deferred fields"
+    i = text.index("Waited at (top 2 of 2 sites")
+    lines = text[i:].split("\n")
+    assert lines[1].split()[:5] == ["41.2", "ms", "3x", "2", "wait_upstream"]
+    assert lines[2].split()[4] == "read_slow"
+    assert lines[-1] == "<<< End RequestProfile"
