@@ -116,20 +116,25 @@ def render_calls(calls, limit=25):
     return "\n".join(lines)
 
 
-def render_waits(waits, limit):
+def render_waits(waits, limit=DEFAULT_WAITS, dropped=0):
     """The ``Waited at:`` lines of a request's wait sites (largest first;
-    each with fn_name, filename, lineno, stack, seconds, count, greenlets),
-    at most ``limit`` of them (None: all); [] when it has none."""
+    records with fn_name, filename, lineno, stack, seconds, count,
+    greenlets): the first ``limit``, one line each, and a line for waits
+    not recorded (``dropped``: the profile's table of sites was full).
+    [] when the request has none."""
     waits = list(waits or ())
-    if not waits:
+    if not waits and not dropped:
         return []
-    shown = waits if limit is None else waits[:limit]
-    out = ["Waited at (top %d of %d sites: time, switch-outs, greenlets):"
-           % (len(shown), len(waits))]
+    shown = waits[:limit]
+    out = ["Waited at: (top %d of %d sites)" % (len(shown), len(waits))]
     for w in shown:
-        out.append("  %10s %5dx %3d  %s (%s:%d)" % (
-            _ms(w.seconds), w.count, w.greenlets, safe(w.fn_name, 200),
-            safe(w.filename, 300), w.lineno))
+        out.append("  %10s %6d wait%s %4d greenlet%s  %s (%s:%d)" % (
+            _ms(w.seconds), w.count, "s" if w.count != 1 else " ",
+            w.greenlets, "s" if w.greenlets != 1 else " ",
+            safe(w.fn_name, 200), safe(w.filename, 300), w.lineno))
+    if dropped:
+        out.append("  (%d waits at further sites not recorded: the table "
+                   "of sites was full)" % dropped)
     return out
 
 
@@ -246,20 +251,21 @@ def _parts(p, n_spans, n_greenlets):
 
 
 def _waits(p):
-    """p.waits, without building a deferred profile's other fields (its
-    spans: what the C renderer avoids) just to read them."""
+    """(p.waits, p.dropped_waits), without building a deferred profile's
+    other fields (its spans: what the C renderer avoids) to read them."""
     d = p.__dict__
     if "waits" in d:
-        return d["waits"] or ()
+        return d["waits"] or (), d.get("dropped_waits") or 0
     loader = d.get("_loader")
     if loader is not None:
         if "waits" not in type(p).DEFERRED:
-            return ()
+            return (), 0
         if loader[0] is _request_records():
             waits = _raw_waits(loader[1])
             if waits is not None:
                 return waits
-    return getattr(p, "waits", None) or ()
+    return getattr(p, "waits", None) or (), \
+        getattr(p, "dropped_waits", 0) or 0
 
 
 class _Wait:
@@ -283,9 +289,9 @@ def _raw_waits(raw):
     from . import _collect
     row = getattr(_collect, "WAIT_SITE_ROW", None)
     if row is None or len(raw) <= 13:
-        return None if row is None else ()
+        return None if row is None else ((), 0)
     try:
-        records, stats = raw[13][0], raw[13][1]
+        records, stats, dropped = raw[13][0], raw[13][1], int(raw[13][2])
         out = []
         for rec, (_k, ns, count, greenlets, _t, _r) in zip(
                 records, row.iter_unpack(stats)):
@@ -296,7 +302,7 @@ def _raw_waits(raw):
     except (TypeError, ValueError, IndexError, struct.error):
         return None
     out.sort(key=lambda w: -w.seconds)   # (stable, as wait_sites)
-    return out
+    return out, dropped
 
 
 _HEAD = """>>> Begin RequestProfile
@@ -354,7 +360,7 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
             # (the common report has no section after the waiting lines:
             # C writes the end line too, saving a copy of the text)
             last = not d.get("blocking") and d.get("calls") is None and \
-                not _waits(p)
+                not any(_waits(p))
             text = _render_rows(d, loader[1], spans, greenlets, safe,
                                 _indent_stack, last)
             if text is not None:
@@ -364,9 +370,8 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
 
 def _tail(p, out, calls_limit):
     """The report's sections after the waiting lines, then its end."""
-    waits = _waits(p)
-    if waits:
-        out.extend(render_waits(waits, DEFAULT_WAITS))
+    waits, dropped = _waits(p)
+    out.extend(render_waits(waits, DEFAULT_WAITS, dropped))
     for b in p.blocking:
         out.append("Blocking span: %s (CPU %s) in %s" % (
             _ms(b.wall), _ms(b.cpu),

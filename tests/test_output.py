@@ -342,19 +342,23 @@ def test_waited_at_section_lists_the_top_sites():
               for i in range(6)]
     assert render_waits((), 5) == []
     lines = render_waits(waits, 5)
-    assert lines[0] == ("Waited at (top 5 of 8 sites: time, switch-outs, "
-                        "greenlets):")
-    assert lines[1].split() == ["41.2", "ms", "3x", "2", "wait_upstream",
+    assert lines[0] == "Waited at: (top 5 of 8 sites)"
+    assert lines[1].split() == ["41.2", "ms", "3", "waits", "2",
+                                "greenlets", "wait_upstream",
                                 "(/srv/app.py:12)"]
     assert "read_slow\\x0asocket (/srv/net.py:40)" in lines[2]
+    assert " 1 wait " in lines[2] and " 1 greenlet " in lines[2]
     assert len(lines) == 6
+    more = render_waits(waits[:1], 5, dropped=7)
+    assert more[-1] == ("  (7 waits at further sites not recorded: the "
+                        "table of sites was full)")
     p = RequestProfile(method="GET", path="/w", status="200 OK", start=0.0,
                        end=0.05, wall=0.05, cpu=None, spans=[],
                        longest_span=None, calls=None,
                        waiting=Waiting(seconds=0.046))
     p.waits = waits
     text = p.report()
-    assert "\nWaited at (top 5 of 8 sites" in text
+    assert "\nWaited at: (top 5 of 8 sites)" in text
     assert text.index("Waiting:") < text.index("Waited at") < \
         text.index("<<< End")
 

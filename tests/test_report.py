@@ -522,8 +522,9 @@ def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
     p.__dict__["_loader"] = (counting_loader, raw)
     text = p.report()
     assert not calls, "the report built the deferred fields"
-    i = text.index("Waited at (top 2 of 2 sites")
+    i = text.index("Waited at: (top 2 of 2 sites)")
     lines = text[i:].split("\n")
-    assert lines[1].split()[:5] == ["41.2", "ms", "3x", "2", "wait_upstream"]
-    assert lines[2].split()[4] == "read_slow"
+    assert lines[1].split()[:7] == ["41.2", "ms", "3", "waits", "2",
+                                    "greenlets", "wait_upstream"]
+    assert lines[2].split()[6] == "read_slow"
     assert lines[-1] == "<<< End RequestProfile"
