@@ -770,7 +770,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             try:
                 log = self.log
                 _ensure_visible(log)
-                if log.isEnabledFor(logging.INFO):
+                if log.isEnabledFor(logging.INFO) and _would_emit(log):
                     if self.json_logs:
                         log.info(profile.to_json(
                             max_bytes=self.json_max_bytes))
@@ -874,6 +874,25 @@ def _ensure_visible(logger):
 
 _checked_loggers = set()
 _checked_lock = threading.Lock()
+
+
+def _would_emit(logger, level=logging.INFO):
+    """Some handler the record would reach takes ``level`` (levels only;
+    filters are the handlers' business).  A report nobody would print is
+    not rendered."""
+    c = logger
+    found = False
+    while c is not None:
+        for h in c.handlers:
+            found = True
+            if level >= h.level:
+                return True
+        if not c.propagate:
+            break
+        c = c.parent
+    # (no handler at all: logging.lastResort, which takes WARNING and up)
+    return not found and level >= logging.lastResort.level \
+        if logging.lastResort is not None else False
 
 
 # -- blocking WARNINGs that do not flood (issue 16, item 5) ------------------

@@ -395,3 +395,35 @@ def test_the_default_handler_is_not_added_when_logging_is_configured(
     while c is not None:
         assert not any(isinstance(h, _DefaultHandler) for h in c.handlers)
         c = c.parent
+
+
+def test_a_report_no_handler_would_print_is_not_rendered(serve,
+                                                         monkeypatch):
+    """isEnabledFor(INFO) is true, but the only handler takes WARNING and
+    up: the report is not rendered (it would be thrown away)."""
+    from greqprof import report
+    rendered = []
+    real = report.render_text
+
+    def counting(*a, **kw):
+        rendered.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(report, "render_text", counting)
+    log = logging.getLogger("greqprof.test_no_emit")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    h = logging.StreamHandler(sys.stderr)
+    h.setLevel(logging.WARNING)
+    log.addHandler(h)
+    try:
+        s = serve(flood_app, pct=1.0, logger=log)
+        s.get("/a")
+        s.profile_for("/a")
+        assert s.mw.stats["delivered"] == 1
+        assert rendered == []
+        h.setLevel(logging.INFO)
+        s.get("/b")
+        s.profile_for("/b")
+        wait_for(lambda: rendered, 10, "the report rendered")
+    finally:
+        log.removeHandler(h)
