@@ -25,7 +25,7 @@ CFLAGS_COMMON := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Ilibgreqprof/includ
 CFLAGS  ?= -O2 -g
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long venv pytest pytest-asan test demo bench clean
+.PHONY: tsan all lib ctest ctest-asan valgrind fuzz fuzz-long fuzz-py venv pytest pytest-asan test demo bench clean
 
 all: lib
 
@@ -94,14 +94,21 @@ fuzz-long: $(B)/fuzz_api
 	mkdir -p $(B)/corpus
 	$(B)/fuzz_api -max_total_time=$${FUZZ_SECONDS:-3600} -max_len=4096 -jobs=2 $(B)/corpus libgreqprof/tests/corpus
 
+# The Python fuzz targets (tests/fuzz/, hypothesis) run a few seconds each
+# in `make pytest`; this runs them longer, from a random seed, and saves
+# what fails into tests/fuzz/examples/ (commit it with the fix).
+fuzz-py: venv
+	GQP_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-5000} GQP_FUZZ_SAVE=1 \
+	  $(VPY) -m pytest -q -p no:cacheprovider tests/fuzz
+
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -U pip setuptools wheel
 
 venv: $(VPY)
-	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' \
+	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' hypothesis \
 	  opentelemetry-api opentelemetry-sdk opentelemetry-instrumentation-wsgi \
-	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto
+	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto psycopg2-binary psycogreen
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
 pytest: venv
@@ -114,7 +121,8 @@ pytest: venv
 # reports as errors.  libstdc++ is preloaded so ASan sees greenlet's C++
 # exceptions.  Built into build/asan-py, away from the in-place build.
 ASAN_PY := build/asan-py
-ASAN_TESTS := test_fastpath.py test_sampled_c.py test_middleware.py test_faults.py test_threads_fork.py
+ASAN_TESTS := test_fastpath.py test_sampled_c.py test_middleware.py test_faults.py test_threads_fork.py \
+  test_borrowed_hooks.py
 ASAN_RUN = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:replace_intrin=0:detect_stack_use_after_return=0:abort_on_error=1 \
   $(CURDIR)/$(VPY)

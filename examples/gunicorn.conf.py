@@ -76,10 +76,26 @@ def post_worker_init(worker):
 
 def worker_exit(server, worker):
     """Delivers the profiles still waiting for their requests' greenlets
-    (see the middleware's linger option) before the worker goes away."""
+    (see the middleware's linger option) before the worker goes away, then
+    sends the spans OpenTelemetry still has queued."""
     mw = getattr(worker, "greqprof", None)
     if mw is not None:
         mw.flush()
+    _flush_otel()
+
+
+def _flush_otel(timeout_millis=5000):
+    """Exports what the tracer provider's batch processors hold, now: the
+    worker can still run threads here.  Left to the provider's atexit
+    shutdown, the spans are lost on CPython 3.12.0/3.12.1, which refuses to
+    start the exporter's thread while the interpreter shuts down."""
+    import sys
+    otel_trace = sys.modules.get("opentelemetry.trace")
+    if otel_trace is None:        # GREQPROF_OTEL off: nothing was traced
+        return
+    flush = getattr(otel_trace.get_tracer_provider(), "force_flush", None)
+    if flush is not None:         # (the API's no-op provider has none)
+        flush(timeout_millis)
 
 
 def _traced(app):
@@ -97,8 +113,8 @@ def _traced(app):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     # One provider per worker, made after the fork: the batch processor's
-    # thread belongs to this process.  It sends what is still queued when
-    # the worker exits (the provider's atexit shutdown).
+    # thread belongs to this process.  worker_exit sends what is still
+    # queued when the worker exits (_flush_otel).
     provider = TracerProvider(resource=Resource.create())
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)

@@ -102,48 +102,63 @@ def cmd_serve(args):
 
 
 def cmd_view(args):
+    """Renders a saved profile.  Any bad input file ends in one line on
+    stderr and exit status 2 (never a traceback): the file is read with a
+    size cap and strict JSON (read_json), every field is checked
+    (RequestProfile.from_dict), and text is cleaned on load."""
+    from ._text import clean
     from .renderers import RenderError, get_renderer
-    from .request_profile import RequestProfile
+    from .request_profile import RequestProfile, read_json
 
     renderer = get_renderer(args.format)
+    name = clean(args.profile, 200)
     try:
-        with open(args.profile, encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = read_json(args.profile)
     except FileNotFoundError:
-        raise CliError("no such file: %s" % args.profile)
+        raise CliError("no such file: %s" % name)
     except IsADirectoryError:
-        raise CliError("%s is a directory, not a profile file"
-                       % args.profile)
+        raise CliError("%s is a directory, not a profile file" % name)
     except OSError as e:
-        raise CliError("cannot read %s: %s" % (args.profile, e.strerror))
-    except UnicodeDecodeError:
-        raise CliError("%s is not a JSON profile (not UTF-8 text)"
-                       % args.profile)
-    except json.JSONDecodeError as e:
-        raise CliError("%s is not valid JSON: %s" % (args.profile, e))
+        raise CliError("cannot read %s: %s" % (name, e.strerror))
+    except ValueError as e:   # (also a NUL in the name)
+        raise CliError("%s is not a JSON profile (%s)"
+                       % (name, clean(str(e), 300)))
     try:
         profile = RequestProfile.from_dict(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CliError("%s is not a greqprof profile: %s"
-                       % (args.profile, e))
+                       % (name, clean(str(e), 300)))
     try:
         out = renderer.render(profile)
     except RenderError as e:
-        raise CliError(str(e))
+        raise CliError(clean(str(e), 300))
+    except Exception as e:  # (a renderer bug: still one line)
+        raise CliError("cannot render %s as %s: %s: %s (please report "
+                       "this)" % (name, args.format, type(e).__name__,
+                                  clean(str(e), 300)))
     if args.output in (None, "-"):
         if renderer.binary:
             raise CliError("format %s is binary: write it to a file with "
                            "-o FILE" % args.format)
-        sys.stdout.write(out)
-        sys.stdout.flush()
+        # (UTF-8 whatever the locale says: the text is clean, any
+        # terminal encoding could still refuse part of it)
+        try:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(out.encode("utf-8"))
+            sys.stdout.flush()
+        except BrokenPipeError:   # (view ... | head)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
-        with open(args.output, "wb" if renderer.binary else "w",
-                  **({} if renderer.binary else {"encoding": "utf-8"})) as f:
-            f.write(out)
+        with open(args.output, "wb") as f:
+            f.write(out if renderer.binary else out.encode("utf-8"))
     except OSError as e:
-        raise CliError("cannot write %s: %s" % (args.output, e.strerror))
-    print("greqprof: wrote %s (%s)" % (args.output, args.format),
+        raise CliError("cannot write %s: %s" % (clean(args.output, 200),
+                                                 e.strerror))
+    except ValueError as e:
+        raise CliError("cannot write %s: %s" % (clean(args.output, 200),
+                                                 clean(str(e), 200)))
+    print("greqprof: wrote %s (%s)" % (clean(args.output, 200), args.format),
           file=sys.stderr)
     return 0
 

@@ -5,7 +5,8 @@ import struct
 
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
-from .request_profile import WaitedOn, Waiting
+from ._text import clean, clean_lines
+from .request_profile import WaitedOn, WaitEvent, Waiting, WaitSite
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SPAN_FINISHED = 0x1
@@ -20,15 +21,50 @@ def greenlet_names(raw_profiles, raw_greenlets=None):
         g for rp in raw_profiles for g in rp.greenlets()]
     for g in rows:
         if g[7] or g[8]:
-            names[g[0]] = (g[7], g[8])
+            names[g[0]] = (clean(g[7]), clean(g[8]))
     return names
+
+
+# Text from the interpreter and the app (greenlet and function names, file
+# names, stacks) is cleaned here, where C rows become records: every output
+# can then print it as it is (greqprof/_text.py).  Names are cleaned once
+# per greenlet or function, not per span.
+
+def _clean_names(names):
+    """{gid: (name, fn_name)} with both cleaned (a new dict only when some
+    name needed it)."""
+    if not names:
+        return names
+    out = None
+    for gid, n in names.items():
+        if n and not (_printable(n[0]) and _printable(n[1])):
+            if out is None:
+                out = dict(names)
+            out[gid] = (clean(n[0]), clean(n[1]))
+    return names if out is None else out
+
+
+def _printable(text):
+    return text is None or (type(text) is str and text.isprintable())
+
+
+def blocking_texts(name, fn, stack, sampled, method, path, rid):
+    """A blocking event's texts, cleaned (middleware._blocking_event)."""
+    return (clean(name), clean(fn), clean_lines(stack), clean_lines(sampled),
+            clean(method), clean(path), clean(rid))
+
+
+def _clean_stacks(stacks):
+    if not stacks:
+        return stacks
+    return {tag: clean_lines(text) for tag, text in stacks.items()}
 
 
 def _name_of(gid, names):
     n = names.get(gid) or _registry.names.get(gid)
     if not n:
         return ("greenlet-%d" % gid, "")
-    return (n[0] or "", n[1] or "")
+    return (clean(n[0]) or "", clean(n[1]) or "")
 
 
 def make_span(rp, raw, names, stacks=None):
@@ -37,7 +73,7 @@ def make_span(rp, raw, names, stacks=None):
     stack = None
     if tag:
         stack = (stacks.get(tag) if stacks is not None
-                 else _registry.stacks.get(tag))
+                 else clean_lines(_registry.stacks.get(tag)))
     # (positional: Span's fields in order; keywords would build a dict per
     # span)
     return Span(gid, name, fn, rp.to_epoch(start), rp.to_epoch(end),
@@ -47,6 +83,7 @@ def make_span(rp, raw, names, stacks=None):
 
 def spans(raw_profiles, stacks=None):
     names = greenlet_names(raw_profiles)
+    stacks = _clean_stacks(stacks)
     out = []
     for rp in raw_profiles:
         out.extend(make_span(rp, s, names, stacks) for s in rp.spans())
@@ -71,6 +108,8 @@ def greenlet_stats(raw_profiles, raw_greenlets=None, names=None):
     for gid, (name, fn, cpu, wall, sw, fin) in merged.items():
         if not name and not fn:
             name, fn = _name_of(gid, names or {})
+        else:
+            name, fn = clean(name), clean(fn)
         out.append(GreenletStat(gid, name, fn, None if cpu < 0 else cpu * NS,
                                 wall * NS, sw, fin))  # (fields in order)
     out.sort(key=lambda g: g.id)
@@ -95,10 +134,10 @@ def func_stats(raw_profiles):
             e[1] += nact
             e[2] += ttot
             e[3] += tsub
-    infos = {key: func_info(key) for key in funcs}
+    infos = {key: _func_info(key) for key in funcs}
     children = {}
     for (caller, callee), (ncall, nact, ttot, tsub) in edges.items():
-        info = infos.get(callee) or func_info(callee)
+        info = infos.get(callee) or _func_info(callee)
         children.setdefault(caller, []).append(ChildStat(
             name=info[0], qualname=info[1], module=info[2], lineno=info[4],
             ncall=ncall, nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
@@ -115,6 +154,11 @@ def func_stats(raw_profiles):
                             children=tuple(kids)))
     out.sort(key=lambda f: -f.ttot)
     return out
+
+
+def _func_info(key):
+    name, qual, module, filename, lineno = func_info(key)
+    return (clean(name), clean(qual), clean(module), clean(filename), lineno)
 
 
 #: rows of read_profile's bytes (_hooks.c): a gqp_span, and
@@ -142,10 +186,10 @@ def request_records(raw):
     RequestProfile's "_loader"), from what read_profile (_hooks.c) read out
     when the request was finalized."""
     (span_rows, greenlet_rows, longest, _end, wait_ns, top, complete,
-     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw
+     _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw[:13]
     origin = ClockOrigin(epoch0, wall0)
-    st = stacks or {}
-    names = request_names(names)
+    st = _clean_stacks(stacks) or {}
+    names = request_names(_clean_names(names))
     # (names has every greenlet's: rows need none of their own)
     spans = [make_span(origin, x, names, st)
              for x in SPAN_ROW.iter_unpack(span_rows)]
@@ -159,8 +203,8 @@ def request_records(raw):
         name, fn = n or ("greenlet-%d" % gid, "")
         if fn and fn.startswith("greqprof."):
             continue  # greqprof's own housekeeping greenlets
-        waited.append(WaitedOn(greenlet_id=gid, name=name or "",
-                               fn_name=fn or "", seconds=ns * NS))
+        waited.append(WaitedOn(greenlet_id=gid, name=clean(name) or "",
+                               fn_name=clean(fn) or "", seconds=ns * NS))
     return {
         "spans": spans,
         "longest_span": (make_span(origin, SPAN_ROW.unpack(longest), names,
@@ -169,4 +213,27 @@ def request_records(raw):
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
                            complete=complete),
+        **wait_sites(raw[13] if len(raw) > 13 else ((), 0, b""), origin),
+    }
+
+
+#: a gqp_wait_event: (greenlet_id, start_ns, end_ns, site, reserved)
+WAIT_EVENT_ROW = struct.Struct("=QqqII")
+
+
+def wait_sites(raw, origin):
+    """The "waits", "dropped_waits" and "wait_events" fields from
+    read_waits (_hooks.c)."""
+    rows, dropped, events = raw
+    sites = [WaitSite(fn, filename, line, stack, ns * NS, count, greenlets)
+             for fn, filename, line, stack, ns, count, greenlets in rows]
+    order = sorted(range(len(sites)), key=lambda i: -sites[i].seconds)
+    rank = {i: r for r, i in enumerate(order)}
+    return {
+        "waits": [sites[i] for i in order],
+        "dropped_waits": dropped,
+        "wait_events": [
+            WaitEvent(gid, origin.to_epoch(a), origin.to_epoch(b), rank[i])
+            for gid, a, b, i, _ in WAIT_EVENT_ROW.iter_unpack(events)
+            if i in rank],
     }

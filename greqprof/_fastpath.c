@@ -124,9 +124,11 @@ static PyObject *spawner_chain(gqp_py_thread *st, PyObject *g, uint64_t gid)
         n++;
         PyObject *ref = PyObject_GetAttr(cur, spawning_str);
         PyErr_Clear();
-        PyObject *parent = ref && PyWeakref_Check(ref)
-            ? PyWeakref_GetObject(ref) : NULL;
-        Py_XINCREF(parent);
+        PyObject *parent = NULL;
+        if (ref && PyWeakref_Check(ref) &&
+            PyWeakref_GetRef(ref, &parent) < 0) {
+            PyErr_Clear();
+        }
         Py_XDECREF(ref);
         gid = 0;
         if (parent && parent != Py_None && st->tracer) {
@@ -414,15 +416,11 @@ static int internal_error(gqp_mw *mw, PyObject *where)
     if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
         return -1;
     }
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *value = PyErr_GetRaisedException();
     PyObject *r = value ? call_method2((PyObject *)mw, str_internal_error,
                                        where, value) : NULL;
     Py_XDECREF(r);
-    Py_XDECREF(type);
     Py_XDECREF(value);
-    Py_XDECREF(tb);
     if (!r && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
         return -1;   /* (raised while logging: a handler that waited) */
     }

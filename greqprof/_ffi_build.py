@@ -144,6 +144,7 @@ ffi.set_source(
     depends=[os.path.relpath(p, ROOT) for p in (
         os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
         os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_render.c"),
+        os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",
                                                      "greqprof.h"),
         os.path.join(LIB, "internal.h"))],

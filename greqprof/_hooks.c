@@ -16,6 +16,8 @@
 #include <frameobject.h>
 #include <string.h>
 
+#include "_compat.h"
+
 #include "greqprof.h"
 
 typedef struct gqp_py_thread {
@@ -37,6 +39,8 @@ typedef struct gqp_py_thread {
     uint64_t gen;              /* unique per start: _fastpath.c's arming */
     struct gqp_note *notes;    /* requests of live greenlets (_fastpath.c) */
     int open_profiles;         /* sampled profiles open (_sampled.c) */
+    int busy;                  /* hooks running on it (st_enter) */
+    int orphan;                /* freed while busy: the last st_leave frees */
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -76,17 +80,28 @@ static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
 static PyObject *reg_hub_ids;   /* thread ident -> its hub's id */
 static PyObject *greenlet_settrace;
 static PyObject *greenlet_getcurrent;
-static getter dead_getter;
-static getter frame_getter;
-static getter parent_getter;
+/* greenlet's `dead`, `gr_frame` and `parent` descriptors, called through
+ * their type's __get__ slot: an attribute lookup per switch costs more. */
+typedef struct {
+    PyObject *descr;
+    descrgetfunc get;
+} gqp_getter;
+static gqp_getter dead_getter;
+static gqp_getter frame_getter;
+static gqp_getter parent_getter;
 static uint32_t next_tag = 1;
 static PyObject *hub_module_name;
 static PyObject *name_str;       /* "name", interned */
 static PyObject *run_str;        /* "_run" */
 static PyObject *spawning_str;   /* "spawning_greenlet" */
+static PyObject *co_filename_str, *co_name_str;
 static PyObject *fn_names;       /* code address -> (code, qualified name) */
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
                                    left out of captured stacks */
+static PyObject *reg_wait_sites; /* tag -> (code, fn_name, file, line, stack) */
+static PyObject *text_clean;     /* greqprof._text.clean */
+static PyObject *greenlet_dir;   /* greenlet's package dir, with '/' */
+static PyObject *module_dir(PyObject *mod);
 
 #define GQP_PY_MAX_LONG 1024
 #define GQP_PY_MAX_STACKS 20000
@@ -98,16 +113,27 @@ static PyObject *own_dir;       /* greqprof's package dir: its frames are
 #define GQP_PY_MAX_CODES 20000
 #define GQP_PY_STACK_DEPTH 40
 
-static getter find_getter(PyObject *type, const char *name)
+/* A data descriptor of type (kept for the process's life), or {NULL}. */
+static gqp_getter find_getter(PyObject *type, const char *name)
 {
+    gqp_getter g = {NULL, NULL};
     PyObject *d = PyObject_GetAttrString(type, name);
-    getter g = NULL;
     if (d && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
-        g = ((PyGetSetDescrObject *)d)->d_getset->get;
+        g.get = (descrgetfunc)PyType_GetSlot(Py_TYPE(d), Py_tp_descr_get);
     }
-    Py_XDECREF(d);
+    if (g.get) {
+        g.descr = d;
+    } else {
+        Py_XDECREF(d);
+    }
     PyErr_Clear();
     return g;
+}
+
+/* obj.<descriptor>: a new reference, or NULL with an exception set. */
+static PyObject *getter_call(const gqp_getter *g, PyObject *obj)
+{
+    return g->get(g->descr, obj, (PyObject *)Py_TYPE(obj));
 }
 
 /* defined with their functions below */
@@ -147,6 +173,8 @@ static int gqp_py_init(void)
     name_str = PyUnicode_InternFromString("name");
     run_str = PyUnicode_InternFromString("_run");
     spawning_str = PyUnicode_InternFromString("spawning_greenlet");
+    co_filename_str = PyUnicode_InternFromString("co_filename");
+    co_name_str = PyUnicode_InternFromString("co_name");
     fn_names = PyDict_New();
     PyObject *file = PyObject_GetAttrString(reg, "__file__");
     if (file && PyUnicode_Check(file)) {
@@ -166,6 +194,14 @@ static int gqp_py_init(void)
     reg_long = PyObject_GetAttrString(reg, "long_spans");
     reg_names = PyObject_GetAttrString(reg, "names");
     reg_hub_ids = PyObject_GetAttrString(reg, "hub_ids");
+    reg_wait_sites = PyObject_GetAttrString(reg, "wait_sites");
+    greenlet_dir = module_dir(gm);
+    {
+        PyObject *tm = PyImport_ImportModule("greqprof._text");
+        text_clean = tm ? PyObject_GetAttrString(tm, "clean") : NULL;
+        Py_XDECREF(tm);
+        PyErr_Clear();
+    }
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");
         frame_getter = find_getter(gtype, "gr_frame");
@@ -192,8 +228,9 @@ static int gqp_py_init(void)
     }
     if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
         reg_stacks && reg_long && reg_names && reg_hub_ids &&
-        PyDict_Check(reg_hub_ids) &&
-        dead_getter && frame_getter && PyDict_Check(reg_codes) &&
+        PyDict_Check(reg_hub_ids) && reg_wait_sites &&
+        PyDict_Check(reg_wait_sites) &&
+        dead_getter.get && frame_getter.get && PyDict_Check(reg_codes) &&
         PyDict_Check(reg_stacks) && PyList_Check(reg_long) &&
         PyDict_Check(reg_names)) {
         rc = 0;
@@ -206,11 +243,53 @@ out:
     return rc;
 }
 
+/* ---- the state's lifetime -------------------------------------------- */
+
+/* The hooks run Python (a greenlet's attributes, a garbage collection's
+ * finalizers), which may stop the profiler and free the state they work
+ * on: while a hook runs, the state is only marked (orphan) and the hook
+ * frees it when it leaves.  After any call that can run Python a hook
+ * checks st_live before touching the tracer again. */
+static void st_release(gqp_py_thread *st)
+{
+    if (st->busy) {
+        st->active = 0;
+        st->tracer = NULL;
+        st->orphan = 1;
+        return;
+    }
+    ((gqp_hookref *)st->ref)->st = NULL;
+    Py_XDECREF(st->trace_fn);
+    Py_XDECREF(st->ref);
+    Py_XDECREF(st->prev_trace);
+    Py_XDECREF(st->prev_prof_obj);
+    notes_free(st);
+    free(st);
+}
+
+static void st_enter(gqp_py_thread *st)
+{
+    st->busy++;
+}
+
+static void st_leave(gqp_py_thread *st)
+{
+    if (--st->busy == 0 && st->orphan) {
+        st_release(st);
+    }
+}
+
+/* Still profiling (after something that may have run Python). */
+static int st_live(const gqp_py_thread *st)
+{
+    return st->active && st->tracer;
+}
+
 /* ---- helpers (GIL held) ---------------------------------------------- */
 
 static int is_dead(PyObject *g)
 {
-    PyObject *v = dead_getter(g, NULL);
+    PyObject *v = getter_call(&dead_getter, g);
     if (!v) {
         PyErr_Clear();
         return 0;
@@ -229,8 +308,12 @@ static PyObject *qualified_name(PyObject *fn)
         qn = PyObject_GetAttrString(fn, "__name__");
     }
     if (!qn) {
+        /* (the type held: the lookups above may have changed fn's class,
+         * dropping the old one) */
+        PyObject *type = Py_NewRef((PyObject *)Py_TYPE(fn));
         PyErr_Clear();
-        qn = PyObject_GetAttrString((PyObject *)Py_TYPE(fn), "__qualname__");
+        qn = PyObject_GetAttrString(type, "__qualname__");
+        Py_DECREF(type);
     }
     if (!qn || !PyUnicode_Check(qn)) {
         Py_XDECREF(qn);
@@ -263,18 +346,26 @@ static PyObject *run_name(PyObject *run)
     if (!fn_names || !PyFunction_Check(f)) {
         return qualified_name(run);
     }
-    PyObject *code = PyFunction_GET_CODE(f);
+    /* Held: the function's __code__ may be replaced (and the old code
+     * freed) by Python that runs below (the name's lookups, a garbage
+     * collection's finalizers). */
+    PyObject *code = Py_NewRef(PyFunction_GetCode(f));
     PyObject *key = PyLong_FromVoidPtr(code);
     if (!key) {
         PyErr_Clear();
+        Py_DECREF(code);
         return qualified_name(run);
     }
-    PyObject *hit = PyDict_GetItemWithError(fn_names, key);
-    if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
-        PyTuple_GET_ITEM(hit, 0) == code) {
+    PyObject *hit = NULL;
+    if (PyDict_GetItemRef(fn_names, key, &hit) > 0 && PyTuple_Check(hit) &&
+        PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == code) {
+        PyObject *res = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+        Py_DECREF(hit);
         Py_DECREF(key);
-        return Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+        Py_DECREF(code);
+        return res;
     }
+    Py_XDECREF(hit);
     PyErr_Clear();
     PyObject *res = qualified_name(run);
     if (res) {
@@ -288,6 +379,7 @@ static PyObject *run_name(PyObject *run)
         Py_XDECREF(val);
     }
     Py_DECREF(key);
+    Py_DECREF(code);
     return res;
 }
 
@@ -302,15 +394,14 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
      * the greenlet's repr from then on, so reading it would change the app.
      * Other greenlets go by their class name. */
     PyObject *n = NULL;
-    PyObject **dictptr = _PyObject_GetDictPtr(g);
-    if (dictptr && *dictptr && PyDict_Check(*dictptr)) {
-        n = PyDict_GetItemWithError(*dictptr, name_str);
-        if (n && PyUnicode_Check(n)) {
-            Py_INCREF(n);
-        } else {
-            n = NULL;
-        }
+    /* The dict is held while searched: a key whose hash equals "name"'s
+     * has its __eq__ run, which may replace g.__dict__ and free it. */
+    PyObject *dict = PyObject_GenericGetDict(g, NULL);
+    if (dict && PyDict_Check(dict) &&
+        PyDict_GetItemRef(dict, name_str, &n) > 0 && !PyUnicode_Check(n)) {
+        Py_CLEAR(n);
     }
+    Py_XDECREF(dict);
     PyErr_Clear();
     if (!n) {
         const char *tn = Py_TYPE(g)->tp_name;
@@ -329,7 +420,9 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
              * that error as a C++ exception, microseconds to unwind): only
              * a subclass's run method (gevent's Hub) names it. */
             PyErr_Clear();
-            run = PyObject_GetAttrString((PyObject *)Py_TYPE(g), "run");
+            PyObject *type = Py_NewRef((PyObject *)Py_TYPE(g));
+            run = PyObject_GetAttrString(type, "run");
+            Py_DECREF(type);
             if (run && Py_IS_TYPE(run, &PyGetSetDescr_Type)) {
                 Py_CLEAR(run);
             }
@@ -358,8 +451,8 @@ static void greenlet_names(PyObject *g, PyObject **name, PyObject **fn_name)
         Py_XDECREF(self);
         Py_DECREF(run);
     }
-    if (!*fn_name && parent_getter) {
-        PyObject *parent = parent_getter(g, NULL);
+    if (!*fn_name && parent_getter.get) {
+        PyObject *parent = getter_call(&parent_getter, g);
         PyErr_Clear();
         if (parent == Py_None) {
             *fn_name = PyUnicode_FromString("<main>");
@@ -374,9 +467,17 @@ static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
 {
     PyObject *name = NULL, *fn = NULL;
     PyObject *key = PyLong_FromUnsignedLongLong(id);
+    /* The profile is retained: naming runs the app's Python, which may end
+     * the request and free it. */
+    if (p) {
+        gqp_profile_retain(p);
+    }
     /* Ids are never reused, so names found once stay right: a connection
      * greenlet attached to every sampled request it serves is named once. */
-    PyObject *known = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    PyObject *known = NULL;
+    if (key) {
+        PyDict_GetItemRef(reg_names, key, &known);
+    }
     PyErr_Clear();
     if (known && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 2) {
         name = Py_NewRef(PyTuple_GET_ITEM(known, 0));
@@ -401,7 +502,9 @@ static void name_in_profile(gqp_py_thread *st, PyObject *g, uint64_t id,
         const char *cf = fn && fn != Py_None ? PyUnicode_AsUTF8(fn) : NULL;
         PyErr_Clear();
         gqp_profile_name_greenlet(p, id, cn ? cn : "", cf ? cf : "");
+        gqp_profile_free(p);
     }
+    Py_XDECREF(known);
     Py_XDECREF(key);
     Py_XDECREF(name);
     Py_XDECREF(fn);
@@ -420,11 +523,23 @@ static PyObject *format_stack(PyObject *frame_obj)
     PyFrameObject *f = (PyFrameObject *)frame_obj;
     Py_INCREF(f);
     while (f && n < GQP_PY_STACK_DEPTH) {
+        /* (attributes, not PyCodeObject's fields: its layout is private) */
         PyCodeObject *co = PyFrame_GetCode(f);
-        if (own_dir && PyUnicode_Tailmatch(co->co_filename, own_dir, 0,
+        PyObject *file = PyObject_GetAttr((PyObject *)co, co_filename_str);
+        PyObject *func = file ? PyObject_GetAttr((PyObject *)co, co_name_str)
+                              : NULL;
+        Py_DECREF(co);
+        if (!func || !PyUnicode_Check(file) || !PyUnicode_Check(func)) {
+            Py_XDECREF(file);
+            Py_XDECREF(func);
+            PyErr_Clear();
+            break;
+        }
+        if (own_dir && PyUnicode_Tailmatch(file, own_dir, 0,
                                            PY_SSIZE_T_MAX, -1) == 1) {
             /* greqprof's own frames say nothing about the app. */
-            Py_DECREF(co);
+            Py_DECREF(file);
+            Py_DECREF(func);
             PyFrameObject *back = PyFrame_GetBack(f);
             Py_DECREF(f);
             f = back;
@@ -432,8 +547,9 @@ static PyObject *format_stack(PyObject *frame_obj)
         }
         int line = PyFrame_GetLineNumber(f);
         lines[n] = PyUnicode_FromFormat("  File \"%.300U\", line %d, in %.200U\n",
-                                        co->co_filename, line, co->co_name);
-        Py_DECREF(co);
+                                        file, line, func);
+        Py_DECREF(file);
+        Py_DECREF(func);
         if (!lines[n]) {
             PyErr_Clear();
             break;
@@ -500,15 +616,19 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     if (gqp_tracer_last_span(st->tracer, &sp, &p, &idx) != GQP_OK) {
         return;
     }
+    /* Retained: what runs below may run Python (a garbage collection's
+     * finalizers, a greenlet's attributes) that ends the request. */
+    if (p) {
+        gqp_profile_retain(p);
+    }
     uint32_t tag = 0;
     if (st->stacks && !dead) {
-        PyObject *fr = frame_getter(origin, NULL);
+        PyObject *fr = getter_call(&frame_getter, origin);
         PyErr_Clear();
         if (!fr || fr == Py_None) {
             /* A running greenlet (a split span): where it is now. */
             Py_XDECREF(fr);
-            fr = (PyObject *)PyEval_GetFrame();
-            Py_XINCREF(fr);
+            fr = (PyObject *)PyThreadState_GetFrame(PyThreadState_Get());
         }
         PyObject *text = format_stack(fr);
         Py_XDECREF(fr);
@@ -521,7 +641,7 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
     if (!st->inherit || PyList_GET_SIZE(reg_long) >= GQP_PY_MAX_LONG) {
         /* Only the middleware's engines drain blocking records; the
          * whole-process Profiler just keeps the stack with the span. */
-        return;
+        goto out;
     }
     /* Name it now if nobody did: only greenlets in profiles are named
      * eagerly. */
@@ -533,25 +653,33 @@ static void on_long_span(gqp_py_thread *st, PyObject *origin, int dead)
      * its greenlet dies, maybe before Python drains this record. */
     PyObject *chain = spawner_chain(st, origin, sp.greenlet_id);
     PyObject *note = chain ? note_find(st, chain) : NULL;
-    /* Its names too: the registry drops a dead greenlet's soon. */
+    /* Its names too: the registry drops a dead greenlet's soon.  (Held:
+     * building the record may collect garbage, whose finalizers may.) */
     PyObject *key = PyLong_FromUnsignedLongLong(sp.greenlet_id);
-    PyObject *names = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
+    PyObject *names = NULL;
+    if (key) {
+        PyDict_GetItemRef(reg_names, key, &names);
+    }
     Py_XDECREF(key);
     PyErr_Clear();
     PyObject *rec = Py_BuildValue(
-        "(kKLLLIIKKNNO)", st->thread_id, (unsigned long long)sp.greenlet_id,
+        "(kKLLLIIKKNNN)", st->thread_id, (unsigned long long)sp.greenlet_id,
         (long long)sp.start_ns, (long long)sp.end_ns, (long long)sp.cpu_ns,
         (unsigned)sp.flags, (unsigned)tag,
         (unsigned long long)(uintptr_t)p,
         (unsigned long long)(uintptr_t)origin,
         note ? note : Py_NewRef(Py_None),
         chain ? chain : PyTuple_New(0),
-        names ? names : Py_None);
+        names ? names : Py_NewRef(Py_None));
     if (rec) {
         PyList_Append(reg_long, rec);
         Py_DECREF(rec);
     }
     PyErr_Clear();
+out:
+    if (p) {
+        gqp_profile_free(p);
+    }
 }
 
 /* 1 when g is a gevent Hub (only once gevent.hub has been imported).  The
@@ -585,15 +713,16 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         /* gevent records who spawned a Greenlet (a weak reference). */
         PyObject *ref = PyObject_GetAttr(target, spawning_str);
         PyErr_Clear();
-        if (ref && PyWeakref_Check(ref)) {
-            PyObject *parent = PyWeakref_GetObject(ref);
-            if (parent && parent != Py_None) {
-                uint64_t pkey = (uint64_t)(uintptr_t)parent;
-                gqp_tracer_inherit(st->tracer, key, pkey);
-            }
+        PyObject *parent = NULL;
+        if (ref && PyWeakref_Check(ref) &&
+            PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
+            uint64_t pkey = (uint64_t)(uintptr_t)parent;
+            gqp_tracer_inherit(st->tracer, key, pkey);
         }
+        Py_XDECREF(parent);
         Py_XDECREF(ref);
-        if (!st->hub_key && is_hub(target)) {
+        PyErr_Clear();
+        if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
             /* (told once, from this thread: the watchdog reads ids, never
              * this thread's state) */
@@ -611,7 +740,8 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     }
     uint64_t id = 0;
     gqp_profile *p = NULL;
-    if (gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
+    if (st_live(st) &&
+        gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
         /* Names cost a few attribute lookups: only for greenlets whose
          * spans are recorded (and the hub); others get named if they ever
          * hold the loop too long (on_long_span). */
@@ -653,6 +783,434 @@ static void forget_later(uint64_t id)
     PyErr_Clear();
 }
 
+/* ---- wait sites ------------------------------------------------------- */
+/* A greenlet of a sampled request switched out (GQP_EV_WAIT): the site is
+ * the innermost frame of its suspended stack outside gevent, greenlet and
+ * greqprof, keyed by (code object, line).  Two caches keep this cheap, both
+ * keyed by code address with each entry holding its code object (so an
+ * address is not reused while it is cached), both emptied when half full:
+ *   - per code object: whether it is gevent's, greenlet's or greqprof's,
+ *     and its cleaned name and file name;
+ *   - per (code object, instruction): the line and the "file:line in
+ *     function" text of a frame stopped there (PyFrame_GetLineNumber
+ *     scans the code's line table: computed once, not per switch).
+ * A new site of a profile gets a record in _registry.wait_sites (its texts
+ * and the code object, which keeps the key's address from being reused
+ * while the profile is open). */
+
+#define GQP_PY_WAIT_DEPTH 64      /* frames looked at for the site */
+#define GQP_PY_CODE_SLOTS 2048    /* caches (powers of two) */
+#define GQP_PY_LINE_SLOTS 8192
+#define GQP_PY_MAX_WAIT_SITES 20000
+
+#define CODE_INSIDE 0x1  /* gevent, greenlet or greqprof: not a site */
+#define CODE_OWN 0x2     /* greqprof: left out of stacks */
+
+static PyObject *gevent_dir;     /* gevent's package dir (once imported) */
+static uint32_t next_site_tag = 1;
+
+typedef struct {
+    PyObject *code;      /* a reference, NULL = empty */
+    int kind;            /* CODE_* */
+    PyObject *fn_name;   /* cleaned, NULL until asked */
+    PyObject *filename;
+} code_slot;
+static code_slot code_cache[GQP_PY_CODE_SLOTS];
+static size_t code_cache_len;
+
+typedef struct {
+    PyObject *code;      /* a reference, NULL = empty */
+    int lasti;
+    int line;
+    PyObject *entry;     /* "file:line in function", NULL until asked */
+} line_slot;
+static line_slot line_cache[GQP_PY_LINE_SLOTS];
+static size_t line_cache_len;
+
+/* The directory of a module's __file__, with its trailing '/'. */
+static PyObject *module_dir(PyObject *mod)
+{
+    PyObject *file = PyObject_GetAttrString(mod, "__file__");
+    PyObject *dir = NULL;
+    if (file && PyUnicode_Check(file)) {
+        Py_ssize_t n = PyUnicode_GetLength(file);
+        Py_ssize_t slash = PyUnicode_FindChar(file, '/', 0, n, -1);
+        if (slash > 0) {
+            dir = PyUnicode_Substring(file, 0, slash + 1);
+        }
+    }
+    Py_XDECREF(file);
+    PyErr_Clear();
+    return dir;
+}
+
+static int starts_with(PyObject *s, PyObject *prefix)
+{
+    return prefix && PyUnicode_Tailmatch(s, prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+}
+
+/* s cleaned by the text contract: printable ASCII as it is, anything else
+ * through greqprof._text.clean.  A new reference, or NULL. */
+static PyObject *clean_text(PyObject *s)
+{
+    if (PyUnicode_Check(s) && PyUnicode_IS_ASCII(s)) {
+        const unsigned char *c = PyUnicode_1BYTE_DATA(s);
+        Py_ssize_t n = PyUnicode_GET_LENGTH(s), i = 0;
+        while (i < n && c[i] >= 0x20 && c[i] <= 0x7e) {
+            i++;
+        }
+        if (i == n) {
+            return Py_NewRef(s);
+        }
+    }
+    if (!text_clean) {
+        return PyObject_Str(s);
+    }
+    return PyObject_CallOneArg(text_clean, s);
+}
+
+static size_t slot_of(const void *code, int lasti, size_t mask)
+{
+    uint64_t a = (uint64_t)(uintptr_t)code ^ ((uint64_t)(unsigned)lasti << 40);
+    return (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+}
+
+/* The cache entry of code object co (NULL when it cannot be made yet:
+ * gevent's directory is not known before gevent is imported). */
+static code_slot *code_info(PyCodeObject *co)
+{
+    size_t mask = GQP_PY_CODE_SLOTS - 1;
+    size_t i = slot_of(co, 0, mask);
+    for (; code_cache[i].code; i = (i + 1) & mask) {
+        if (code_cache[i].code == (PyObject *)co) {
+            return &code_cache[i];
+        }
+    }
+    if (!gevent_dir) {
+        PyObject *name = PyUnicode_InternFromString("gevent");
+        PyObject *mod = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        if (mod) {
+            gevent_dir = module_dir(mod);
+            Py_DECREF(mod);
+        }
+        PyErr_Clear();
+        if (!gevent_dir) {
+            return NULL;
+        }
+    }
+    if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
+        /* Start over (code made at run time would grow it forever). */
+        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
+            Py_CLEAR(code_cache[k].code);
+            Py_CLEAR(code_cache[k].fn_name);
+            Py_CLEAR(code_cache[k].filename);
+        }
+        code_cache_len = 0;
+        for (i = slot_of(co, 0, mask); code_cache[i].code; i = (i + 1) & mask) {
+        }
+    }
+    PyObject *f = co->co_filename;
+    int own = starts_with(f, own_dir);
+    code_slot *s = &code_cache[i];
+    s->code = Py_NewRef((PyObject *)co);
+    s->kind = (own ? CODE_OWN | CODE_INSIDE : 0) |
+              (starts_with(f, gevent_dir) || starts_with(f, greenlet_dir)
+                   ? CODE_INSIDE : 0);
+    s->fn_name = s->filename = NULL;
+    code_cache_len++;
+    return s;
+}
+
+static int code_kind(PyCodeObject *co)
+{
+    code_slot *s = code_info(co);
+    if (s) {
+        return s->kind;
+    }
+    /* (gevent not imported yet: no gevent frame can exist) */
+    int own = starts_with(co->co_filename, own_dir);
+    return (own ? CODE_OWN | CODE_INSIDE : 0) |
+           (starts_with(co->co_filename, greenlet_dir) ? CODE_INSIDE : 0);
+}
+
+/* Borrowed cleaned (fn_name, filename) of co, or -1. */
+static int code_names(PyCodeObject *co, PyObject **fn, PyObject **file)
+{
+    code_slot *s = code_info(co);
+    if (!s) {
+        return -1;
+    }
+    if (!s->fn_name) {
+#if PY_VERSION_HEX >= 0x030B0000
+        s->fn_name = clean_text(co->co_qualname);
+#else
+        s->fn_name = clean_text(co->co_name);
+#endif
+        s->filename = s->fn_name ? clean_text(co->co_filename) : NULL;
+        if (!s->filename) {
+            Py_CLEAR(s->fn_name);
+            return -1;
+        }
+    }
+    *fn = s->fn_name;
+    *file = s->filename;
+    return 0;
+}
+
+static int frame_lasti(PyFrameObject *f)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    return f->f_lasti;
+#endif
+}
+
+/* The line cache entry of frame f (of code co), or NULL. */
+static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
+{
+    size_t mask = GQP_PY_LINE_SLOTS - 1;
+    int lasti = frame_lasti(f);
+    size_t i = slot_of(co, lasti, mask);
+    for (; line_cache[i].code; i = (i + 1) & mask) {
+        if (line_cache[i].code == (PyObject *)co &&
+            line_cache[i].lasti == lasti) {
+            return &line_cache[i];
+        }
+    }
+    if (line_cache_len >= GQP_PY_LINE_SLOTS / 2) {
+        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
+            Py_CLEAR(line_cache[k].code);
+            Py_CLEAR(line_cache[k].entry);
+        }
+        line_cache_len = 0;
+        for (i = slot_of(co, lasti, mask); line_cache[i].code;
+             i = (i + 1) & mask) {
+        }
+    }
+    line_slot *s = &line_cache[i];
+    s->code = Py_NewRef((PyObject *)co);
+    s->lasti = lasti;
+    s->line = PyFrame_GetLineNumber(f);
+    s->entry = NULL;
+    line_cache_len++;
+    return s;
+}
+
+/* Borrowed "file:line in function" of a frame, or NULL. */
+static PyObject *frame_entry(PyFrameObject *f, PyCodeObject *co)
+{
+    line_slot *s = line_info(f, co);
+    if (!s->entry) {
+        PyObject *fn, *file;
+        if (code_names(co, &fn, &file) < 0) {
+            return NULL;
+        }
+        s->entry = PyUnicode_FromFormat("%U:%d in %U", file, s->line, fn);
+    }
+    return s->entry;
+}
+
+/* ("file:line in function", ...) from frame f outwards, outermost first,
+ * greqprof's own frames left out.  Steals f. */
+static PyObject *site_stack(PyFrameObject *f)
+{
+    PyObject *lines[GQP_PY_STACK_DEPTH];
+    int n = 0, ok = 1;
+    while (f && n < GQP_PY_STACK_DEPTH) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        if (!(code_kind(co) & CODE_OWN)) {
+            PyObject *e = frame_entry(f, co);
+            if (!e) {
+                ok = 0;
+                Py_DECREF(co);
+                break;
+            }
+            lines[n++] = Py_NewRef(e); /* (the cache may be emptied) */
+        }
+        Py_DECREF(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    PyObject *t = ok ? PyTuple_New(n) : NULL;
+    for (int i = 0; i < n; i++) {
+        if (t) {
+            PyTuple_SET_ITEM(t, i, lines[n - 1 - i]); /* (steals) */
+        } else {
+            Py_DECREF(lines[n - 1 - i]);
+        }
+    }
+    return t;
+}
+
+/* Records a new site (site frame f, borrowed) in the registry; its tag. */
+static uint32_t store_site(PyFrameObject *f, PyCodeObject *co, int line)
+{
+    if (PyDict_GET_SIZE(reg_wait_sites) >= GQP_PY_MAX_WAIT_SITES) {
+        /* Drop the oldest (a profile never read out leaves its records). */
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        if (PyDict_Next(reg_wait_sites, &pos, &k, &v)) {
+            Py_INCREF(k);
+            PyDict_DelItem(reg_wait_sites, k);
+            Py_DECREF(k);
+        }
+    }
+    PyObject *fn, *file, *rec = NULL;
+    if (code_names(co, &fn, &file) == 0) {
+        /* (site_stack may empty the cache that holds fn and file) */
+        Py_INCREF(fn);
+        Py_INCREF(file);
+        PyObject *stack = site_stack((PyFrameObject *)Py_NewRef(f));
+        rec = stack ? Py_BuildValue("(OOOiN)", (PyObject *)co, fn, file, line,
+                                    stack)
+                    : NULL;
+        Py_DECREF(fn);
+        Py_DECREF(file);
+    }
+    uint32_t tag = 0;
+    PyObject *key = rec ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
+    if (key && PyDict_SetItem(reg_wait_sites, key, rec) == 0) {
+        tag = next_site_tag++;
+        if (next_site_tag == 0) {
+            next_site_tag = 1;
+        }
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(rec);
+    PyErr_Clear();
+    return tag;
+}
+
+/* origin switched out alive while attached to a profile: say where. */
+static void on_wait(gqp_py_thread *st, PyObject *origin)
+{
+    PyObject *fr = getter_call(&frame_getter, origin);
+    if (!fr || !PyFrame_Check(fr)) {
+        Py_XDECREF(fr);
+        PyErr_Clear();
+        return;
+    }
+    PyFrameObject *top = (PyFrameObject *)fr;
+    PyFrameObject *f = (PyFrameObject *)Py_NewRef(fr);
+    PyCodeObject *co = NULL;
+    for (int depth = 0; f && depth < GQP_PY_WAIT_DEPTH; depth++) {
+        co = PyFrame_GetCode(f);
+        if (!(code_kind(co) & CODE_INSIDE)) {
+            break;
+        }
+        Py_CLEAR(co);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    if (!co) {
+        /* Only gevent's own frames (e.g. the server writing a response):
+         * the innermost one. */
+        Py_XDECREF(f);
+        f = (PyFrameObject *)Py_NewRef(top);
+        co = PyFrame_GetCode(f);
+    }
+    int line = line_info(f, co)->line;
+    /* Code addresses fit 48 bits; lines past 65535 share a key. */
+    uint64_t site = (uint64_t)(uintptr_t)co ^
+                    ((uint64_t)(line > 0xffff ? 0xffff : line & 0xffff) << 48);
+    gqp_profile *p = NULL;
+    size_t idx = 0;
+    int ev = gqp_tracer_wait_at(st->tracer, (uint64_t)(uintptr_t)origin,
+                                site ? site : 1, &p, &idx);
+    if (ev > 0 && (ev & GQP_EV_NEW_SITE) && p) {
+        uint32_t tag = store_site(f, co, line);
+        if (tag) {
+            gqp_profile_wait_set_tag(p, idx, tag);
+        }
+    }
+    Py_DECREF(co);
+    Py_DECREF(f);
+    Py_DECREF(fr);
+    PyErr_Clear();
+}
+
+/* read_waits(profile, take): the profile's wait sites, as a tuple
+ *   (((fn_name, filename, lineno, stack, wait_ns, count, greenlets), ...),
+ *    dropped, events)
+ * sites in table order (a site whose record the registry dropped has
+ * fn_name "?"); events: the gqp_wait_event structs as bytes
+ * (_collect.WAIT_EVENT_ROW).  take: the records go out of the registry
+ * (the profile is done). */
+
+_Static_assert(sizeof(gqp_wait_event) == 32,
+               "_collect.WAIT_EVENT_ROW is '=QqqII'");
+
+static PyObject *read_waits(gqp_profile *p, int take)
+{
+    size_t n = gqp_profile_wait_count(p);
+    PyObject *rows = PyTuple_New((Py_ssize_t)n);
+    size_t i = 0;
+    for (; rows && i < n; i++) {
+        gqp_wait_stat w;
+        if (gqp_profile_wait(p, i, &w) != GQP_OK) {
+            break;
+        }
+        PyObject *rec = NULL;
+        PyObject *key = w.tag ? PyLong_FromUnsignedLong(w.tag) : NULL;
+        if (key) {
+            rec = PyDict_GetItemWithError(reg_wait_sites, key);
+            Py_XINCREF(rec);
+            if (rec && take && PyDict_DelItem(reg_wait_sites, key) < 0) {
+                PyErr_Clear();
+            }
+            Py_DECREF(key);
+        }
+        PyErr_Clear();
+        PyObject *row;
+        if (rec && PyTuple_Check(rec) && PyTuple_GET_SIZE(rec) == 5) {
+            row = Py_BuildValue(
+                "(OOOOLKK)", PyTuple_GET_ITEM(rec, 1),
+                PyTuple_GET_ITEM(rec, 2), PyTuple_GET_ITEM(rec, 3),
+                PyTuple_GET_ITEM(rec, 4), (long long)w.wait_ns,
+                (unsigned long long)w.count,
+                (unsigned long long)w.greenlets);
+        } else {
+            row = Py_BuildValue("(ssi()LKK)", "?", "", 0,
+                                (long long)w.wait_ns,
+                                (unsigned long long)w.count,
+                                (unsigned long long)w.greenlets);
+        }
+        Py_XDECREF(rec);
+        if (!row) {
+            Py_CLEAR(rows);
+            break;
+        }
+        PyTuple_SET_ITEM(rows, (Py_ssize_t)i, row);
+    }
+    if (rows && i < n && _PyTuple_Resize(&rows, (Py_ssize_t)i) < 0) {
+        rows = NULL;
+    }
+    if (!rows) {
+        return NULL;
+    }
+    size_t ne = gqp_profile_wait_event_count(p);
+    PyObject *events = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)(ne * sizeof(gqp_wait_event)));
+    if (!events) {
+        Py_DECREF(rows);
+        return NULL;
+    }
+    gqp_wait_event *ev = (gqp_wait_event *)(void *)PyBytes_AS_STRING(events);
+    for (size_t k = 0; k < ne; k++) {
+        if (gqp_profile_wait_event(p, k, &ev[k]) != GQP_OK) {
+            memset(&ev[k], 0, sizeof ev[k]);
+        }
+    }
+    return Py_BuildValue("(NKN)", rows,
+                         (unsigned long long)gqp_profile_waits_dropped(p),
+                         events);
+}
+
 /* ---- the greenlet hook ----------------------------------------------- */
 
 static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
@@ -664,7 +1222,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         PyTuple_GET_SIZE(pair) != 2) {
         Py_RETURN_NONE;
     }
-    if (st && st->active) {
+    if (!st) {
+        Py_RETURN_NONE;
+    }
+    st_enter(st);
+    if (st->active) {
         PyObject *origin = PyTuple_GET_ITEM(pair, 0);
         PyObject *target = PyTuple_GET_ITEM(pair, 1);
         int dead = is_dead(origin);
@@ -683,7 +1245,10 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             if (ev & GQP_EV_LONG_SPAN) {
                 on_long_span(st, origin, dead);
             }
-            if (ev & GQP_EV_NEW_GREENLET) {
+            if ((ev & GQP_EV_WAIT) && st_live(st)) {
+                on_wait(st, origin);
+            }
+            if ((ev & GQP_EV_NEW_GREENLET) && st_live(st)) {
                 on_new_greenlet(st, target);
             }
         }
@@ -693,10 +1258,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             note_forget(st, dead_id);
         }
     }
-    if (st && st->prev_trace) {
-        return PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL);
-    }
-    Py_RETURN_NONE;
+    PyObject *res = st->prev_trace
+        ? PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL)
+        : Py_NewRef(Py_None);
+    st_leave(st);
+    return res;
 }
 
 /* METH_FASTCALL: no argument tuple is built for the call itself. */
@@ -742,28 +1308,36 @@ static void register_code(uint64_t key, PyObject *obj)
     PyErr_Clear();
 }
 
-static void register_cfunc(uint64_t key, PyCFunctionObject *fn)
+static void register_cfunc(uint64_t key, PyObject *fn)
 {
     PyObject *k = PyLong_FromUnsignedLongLong(key);
     if (!k) {
         PyErr_Clear();
         return;
     }
-    if (!PyDict_GetItem(reg_codes, k)) {
+    int known = PyDict_Contains(reg_codes, k);
+    if (known == 0) {
         codes_make_room();
-        PyObject *self = fn->m_self;
+        /* fn is a builtin_function_or_method: these attributes are its
+         * fields (no Python runs); self is held by fn. */
+        PyObject *self = PyCFunction_GetSelf(fn);
         const char *owner = NULL;
         if (self && !PyModule_Check(self)) {
             owner = PyType_Check(self) ? ((PyTypeObject *)self)->tp_name
                                        : Py_TYPE(self)->tp_name;
         }
-        PyObject *info = Py_BuildValue(
-            "(ssOz)", "builtin", fn->m_ml->ml_name,
-            fn->m_module ? fn->m_module : Py_None, owner);
+        PyObject *name = PyObject_GetAttrString(fn, "__name__");
+        PyObject *mod = name ? PyObject_GetAttrString(fn, "__module__")
+                             : NULL;
+        PyObject *info = mod ? Py_BuildValue("(sOOz)", "builtin", name,
+                                             mod, owner)
+                             : NULL;
         if (info) {
             PyDict_SetItem(reg_codes, k, info);
             Py_DECREF(info);
         }
+        Py_XDECREF(name);
+        Py_XDECREF(mod);
     }
     Py_DECREF(k);
     PyErr_Clear();
@@ -773,7 +1347,11 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
                         PyObject *arg)
 {
     gqp_py_thread *st = ((gqp_hookref *)obj)->st;
-    if (st && st->active && st->calls) {
+    if (!st) {
+        return 0;
+    }
+    st_enter(st);
+    if (st->active && st->calls) {
         switch (what) {
         case PyTrace_CALL: {
             PyCodeObject *co = PyFrame_GetCode(frame);
@@ -790,11 +1368,12 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
             break;
         case PyTrace_C_CALL:
             if (st->builtins && PyCFunction_Check(arg)) {
-                PyCFunctionObject *fn = (PyCFunctionObject *)arg;
-                uint64_t key = (uint64_t)(uintptr_t)fn->m_ml;
+                /* Keyed by its C function: one per builtin, and no read
+                 * of PyCFunctionObject's private fields. */
+                uint64_t key = (uint64_t)(uintptr_t)PyCFunction_GET_FUNCTION(arg);
                 int ev = gqp_tracer_call(st->tracer, key);
                 if (ev > 0 && (ev & GQP_EV_NEW_FUNC)) {
-                    register_cfunc(key, fn);
+                    register_cfunc(key, arg);
                 }
             }
             break;
@@ -808,10 +1387,10 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
             break;
         }
     }
-    if (st && st->prev_prof) {
-        return st->prev_prof(st->prev_prof_obj, frame, what, arg);
-    }
-    return 0;
+    int rc = st->prev_prof ? st->prev_prof(st->prev_prof_obj, frame, what, arg)
+                           : 0;
+    st_leave(st);
+    return rc;
 }
 
 /* ---- installing ------------------------------------------------------- */
@@ -850,13 +1429,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         old->installed = 0;
         if (!old->tracer) {
             /* Its owner already let go of it (gqp_py_thread_free). */
-            ((gqp_hookref *)old->ref)->st = NULL;
-            Py_XDECREF(old->trace_fn);
-            Py_XDECREF(old->ref);
-            Py_XDECREF(old->prev_trace);
-            Py_XDECREF(old->prev_prof_obj);
-            notes_free(old);
-            free(old);
+            st_release(old);
         } else {
             old->profile_installed = 0;
         }
@@ -1033,13 +1606,7 @@ static void gqp_py_thread_free(gqp_py_thread *st)
         st->active = 0;
         st->tracer = NULL;
     } else {
-        ((gqp_hookref *)st->ref)->st = NULL;
-        Py_XDECREF(st->trace_fn);
-        Py_XDECREF(st->ref);
-        Py_XDECREF(st->prev_trace);
-        Py_XDECREF(st->prev_prof_obj);
-        notes_free(st);
-        free(st);
+        st_release(st);
     }
     PyGILState_Release(gs);
 }
@@ -1056,15 +1623,19 @@ static int64_t attach_greenlet(gqp_py_thread *st, PyObject *g, gqp_profile *p)
     if (rc < 0) {
         return rc;
     }
+    st_enter(st);
     if (rc & GQP_EV_LONG_SPAN) {
         on_long_span(st, g, 0);
     }
     uint64_t id = 0;
-    gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
+    if (st_live(st)) {
+        gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)g, &id);
+    }
     if (p && id) {
         name_in_profile(st, g, id, p);
     }
     PyErr_Clear();
+    st_leave(st);
     return (int64_t)(id & INT64_MAX);
 }
 
@@ -1176,18 +1747,24 @@ static uint32_t gqp_py_capture_thread(unsigned long thread_id)
 {
     PyGILState_STATE gs = PyGILState_Ensure();
     uint32_t tag = 0;
-    PyObject *frames = _PyThread_CurrentFrames();
-    if (frames) {
+    /* sys._current_frames(), the documented way to another thread's frame
+     * (its C function, _PyThread_CurrentFrames, is private). */
+    PyObject *fn = PySys_GetObject("_current_frames");   /* borrowed */
+    Py_XINCREF(fn);
+    PyObject *frames = fn ? PyObject_CallNoArgs(fn) : NULL;
+    Py_XDECREF(fn);
+    if (frames && PyDict_Check(frames)) {
         PyObject *k = PyLong_FromUnsignedLong(thread_id);
-        PyObject *fr = k ? PyDict_GetItem(frames, k) : NULL;
-        if (fr) {
+        PyObject *fr = NULL;
+        if (k && PyDict_GetItemRef(frames, k, &fr) > 0) {
             PyObject *text = format_stack(fr);
             tag = store_stack(text);
             Py_XDECREF(text);
         }
+        Py_XDECREF(fr);
         Py_XDECREF(k);
-        Py_DECREF(frames);
     }
+    Py_XDECREF(frames);
     PyErr_Clear();
     PyGILState_Release(gs);
     return tag;
@@ -1221,7 +1798,7 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * (greqprof._collect.request_records).
  *   (spans, greenlets, longest, end_ns, waited_ns, waited_top, complete,
  *    spans_dropped, calls_dropped, epoch_origin, wall_origin, names,
- *    stacks)
+ *    stacks, waits)
  * spans: gqp_span structs (_collect.SPAN_ROW); greenlets:
  * gqp_py_greenlet_row structs (_collect.GREENLET_ROW); longest: one span's
  * bytes, or None; end_ns: the later of end_ns and the last span's end, the
@@ -1229,7 +1806,8 @@ GQP_PY_READER(gqp_py_read_greenlets, gqp_greenlet_stat, gqp_profile_greenlet)
  * names or None), ...); names: {greenlet_id: (name, fn_name)} for the
  * greenlets of the rows, the registry's names, else the profile's; stacks:
  * {tag: text} of the spans' stacks, taken out of the registry (take true)
- * or copied (take false: the profile is still open), or None.  profile and
+ * or copied (take false: the profile is still open), or None; waits:
+ * read_waits' (sites, dropped).  profile and
  * tracer are the addresses of live objects the caller owns (internal:
  * greqprof.middleware only). */
 
@@ -1259,11 +1837,11 @@ static int name_from_registry(PyObject *names, uint64_t id)
     }
     int rc = PyDict_Contains(names, key);
     if (rc == 0) {
-        PyObject *n = PyDict_GetItemWithError(reg_names, key); /* borrowed */
-        if (n) {
+        PyObject *n = NULL;
+        rc = PyDict_GetItemRef(reg_names, key, &n);
+        if (rc > 0) {
             rc = PyDict_SetItem(names, key, n);
-        } else if (PyErr_Occurred()) {
-            rc = -1;
+            Py_DECREF(n);
         }
     }
     Py_DECREF(key);
@@ -1338,7 +1916,7 @@ static int has_row(const gqp_py_greenlet_row *rows, size_t n, uint64_t gid)
     return 0;
 }
 
-#define GQP_PY_PROFILE_ITEMS 13
+#define GQP_PY_PROFILE_ITEMS 14
 
 static PyObject *read_profile(PyObject *self, PyObject *const *args,
                               Py_ssize_t nargs)
@@ -1415,14 +1993,15 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         if (!key) {
             goto done;
         }
-        PyObject *known = PyDict_GetItemWithError(reg_names, key);
-        PyObject *pair = known || !PyErr_Occurred() ? row_names(&g, known)
-                                                    : NULL;
+        PyObject *known = NULL;
+        PyObject *pair = PyDict_GetItemRef(reg_names, key, &known) >= 0
+                             ? row_names(&g, known) : NULL;
         int rc = pair ? 0 : -1;
         if (pair && pair != Py_None) {
             rc = PyDict_SetItem(names, key, pair);
         }
         Py_DECREF(key);
+        Py_XDECREF(known);
         Py_XDECREF(pair);
         if (rc < 0) {
             goto done;
@@ -1491,8 +2070,10 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
     }
     for (int i = 0; i < got; i++) {
         PyObject *key = PyLong_FromUnsignedLongLong(ids[i]);
-        PyObject *known = key ? PyDict_GetItemWithError(reg_names, key) : NULL;
-        if (!key || (!known && PyErr_Occurred())) {
+        /* (held: the tuples below may collect garbage, whose finalizers
+         * may change the registry) */
+        PyObject *known = NULL;
+        if (!key || PyDict_GetItemRef(reg_names, key, &known) < 0) {
             Py_XDECREF(key);
             goto done;
         }
@@ -1500,13 +2081,14 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         PyObject *w = PyLong_FromLongLong(ns[i]);
         if (!row || !w) {
             Py_DECREF(key);
+            Py_XDECREF(known);
             Py_XDECREF(row);
             Py_XDECREF(w);
             goto done;
         }
         PyTuple_SET_ITEM(row, 0, key);
         PyTuple_SET_ITEM(row, 1, w);
-        PyTuple_SET_ITEM(row, 2, Py_NewRef(known ? known : Py_None));
+        PyTuple_SET_ITEM(row, 2, known ? known : Py_NewRef(Py_None));
         PyTuple_SET_ITEM(it[5], i, row);
     }
 
@@ -1522,6 +2104,7 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
     it[8] = PyLong_FromUnsignedLongLong(gqp_profile_calls_dropped(p));
     it[9] = PyLong_FromLongLong((long long)gqp_profile_epoch_origin(p));
     it[10] = PyLong_FromLongLong((long long)gqp_profile_wall_origin(p));
+    it[13] = read_waits(p, take);
     for (int i = 0; i < GQP_PY_PROFILE_ITEMS; i++) {
         if (!it[i]) {
             goto done;

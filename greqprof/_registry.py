@@ -13,6 +13,10 @@ stacks = {}
 #: names), note and chain being request_note() and names the greenlet's
 #: (name, fn_name) at the span's end; bounded in C, drained by readers
 long_spans = []
+#: wait site tag -> (code, fn_name, filename, lineno, stack) of a site where
+#: a sampled request's greenlet waited (bounded in C; taken out when the
+#: profile is read)
+wait_sites = {}
 #: greenlet id -> (name, fn_name) for every greenlet seen (bounded in C)
 names = {}
 #: thread ident -> the id of that thread's gevent hub, once the hooks saw

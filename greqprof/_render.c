@@ -2,15 +2,17 @@
  * logging a sampled request's report must cost microseconds, and Python
  * string formatting of ~40 lines costs ~50-100 us).
  *
- * _registry.render_rows(fields, raw, n_spans, n_greenlets, safe, stack)
+ * _registry.render_rows(fields, raw, n_spans, n_greenlets, safe, stack,
+ * end, name_safe)
  * renders a deferred RequestProfile from read_profile's packed rows
  * (_hooks.c; fields: the profile's __dict__, raw: its loader's argument)
  * from ">>> Begin RequestProfile" through the waiting lines (and the end
  * line when `end` is true: the report has no later section), exactly as
  * greqprof/report.py's Python path does (tests/test_report.py compares
- * them).  n_spans/n_greenlets: how many to show (None: all).  safe and
- * stack: report.safe and report._indent_stack, called only for text that
- * is not plain printable ASCII and for stacks.  Returns the text, or None
+ * them).  n_spans/n_greenlets: how many to show (None: all).  safe,
+ * name_safe and stack: report.safe (the header's fields), its version
+ * for greenlet names and report's stack indenter, called only for text
+ * that is not plain printable ASCII and for stacks.  Returns the text, or None
  * when raw is not a layout this code knows (the caller then renders in
  * Python).  Included by _ffi_build.py after _sampled.c. */
 
@@ -240,6 +242,10 @@ static int buf_safe(gqp_buf *b, PyObject *obj, Py_ssize_t limit,
 /* report._utc(ts) */
 static void buf_utc(gqp_buf *b, double ts)
 {
+    if (!(fabs(ts) < 2.5e11)) {   /* (beyond year 9999, or NaN) */
+        BUF_LIT(b, "-");
+        return;
+    }
     double us_f = nearbyint(ts * 1e6);   /* round() of Python: half-even */
     long long us = (long long)us_f;
     long long secs = us / 1000000, rest = us % 1000000;
@@ -249,9 +255,9 @@ static void buf_utc(gqp_buf *b, double ts)
     }
     time_t t = (time_t)secs;
     struct tm tm;
-    if (!gmtime_r(&t, &tm) || tm.tm_year + 1900 < 0 ||
-        tm.tm_year + 1900 > 9999) {
-        b->failed = 1;
+    if (!gmtime_r(&t, &tm) ||
+        tm.tm_year + 1900 < 1 || tm.tm_year + 1900 > 9999) {
+        BUF_LIT(b, "-");   /* (as report._utc: an impossible time) */
         return;
     }
     /* "%Y-%m-%d %H:%M:%S.%06d UTC" without printf's cost */
@@ -520,13 +526,16 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs < 6 || nargs > 7 || !PyDict_Check(args[0]) ||
+    if (nargs < 6 || nargs > 8 || !PyDict_Check(args[0]) ||
         !PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "render_rows(fields, raw, n_spans, "
-                        "n_greenlets, safe, stack[, end])");
+                        "n_greenlets, safe, stack[, end[, name_safe]])");
         return NULL;
     }
-    int end_marker = nargs == 7 ? PyObject_IsTrue(args[6]) : 0;
+    int end_marker = nargs >= 7 ? PyObject_IsTrue(args[6]) : 0;
+    /* names and stacks are cleaned when records are built (_collect): the
+     * caller's name_safe does the same for the text it is given */
+    PyObject *name_safe = nargs == 8 ? args[7] : args[4];
     if (end_marker < 0) {
         return NULL;
     }
@@ -602,7 +611,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
     nc.ent = PyMem_Calloc(slots, sizeof *nc.ent);
     nc.mask = slots - 1;
     nc.names = names;
-    nc.safe = safe;
+    nc.safe = name_safe;
     if (!nc.ent) {
         PyErr_NoMemory();
         goto done;
@@ -897,7 +906,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         BUF_LIT(&b, "\n  ");
         buf_ms(&b, 1, (double)wns * 1e-9, 10);
         BUF_LIT(&b, "  ");
-        if (buf_who(&b, gid, name, fn, safe) < 0) {
+        if (buf_who(&b, gid, name, fn, name_safe) < 0) {
             goto done;
         }
     }

@@ -23,8 +23,6 @@
  * Profiles are still finalized (read, built, delivered) in Python, in
  * batches, by the engine's finisher greenlet. */
 
-#include <structmember.h>
-
 /* ---- CPU clock windows (engine.CPU_WINDOW_*) ---------------------------- */
 
 static int64_t cpu_window_profiling = 100000;
@@ -213,10 +211,26 @@ typedef struct {
     char finalizing;   /* set when a _finalize takes the request on */
 } gqp_req;
 
-#define REQ_FIELD(name, doc) \
-    {#name, T_OBJECT, offsetof(gqp_req, name), 0, doc}
+/* A field reads None while unset, as structmember's T_OBJECT did (which
+ * CPython deprecated: Py_T_OBJECT_EX raises AttributeError instead). */
+static PyObject *req_field_get(PyObject *self, void *offset)
+{
+    PyObject *v = *(PyObject **)((char *)self + (size_t)offset);
+    return Py_NewRef(v ? v : Py_None);
+}
 
-static PyMemberDef req_members[] = {
+static int req_field_set(PyObject *self, PyObject *value, void *offset)
+{
+    PyObject **slot = (PyObject **)((char *)self + (size_t)offset);
+    Py_XSETREF(*slot, Py_XNewRef(value));
+    return 0;
+}
+
+#define REQ_FIELD(name, doc) \
+    {#name, req_field_get, req_field_set, doc, \
+     (void *)offsetof(gqp_req, name)}
+
+static PyGetSetDef req_fields[] = {
     REQ_FIELD(greenlet, "The greenlet serving the request (None once done)."),
     REQ_FIELD(gid, "Its tracer id."),
     REQ_FIELD(profile, "The ProfileRef of a sampled request, else None."),
@@ -234,7 +248,11 @@ static PyMemberDef req_members[] = {
     REQ_FIELD(observed, "Observers' state, or None."),
     REQ_FIELD(generation, "Fork generation it began in."),
     REQ_FIELD(engine, "The engine of the thread it began in."),
-    {"finalizing", T_BOOL, offsetof(gqp_req, finalizing), READONLY,
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef req_members[] = {
+    {"finalizing", Py_T_BOOL, offsetof(gqp_req, finalizing), Py_READONLY,
      "True once a _finalize took it on (it is finalized once)."},
     {NULL, 0, 0, 0, NULL},
 };
@@ -304,6 +322,7 @@ static PyTypeObject gqp_req_type = {
     .tp_traverse = (traverseproc)req_traverse,
     .tp_clear = (inquiry)req_clear,
     .tp_members = req_members,
+    .tp_getset = req_fields,
     .tp_weaklistoffset = offsetof(gqp_req, weakrefs),
 };
 
@@ -330,9 +349,7 @@ static void req_note_error(gqp_req *req, int keep_first)
     if (keep_first && req->error && req->error != Py_None) {
         return;
     }
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *value = PyErr_GetRaisedException();
     PyObject *name = value ? PyType_GetName(Py_TYPE(value)) : NULL;
     PyObject *msg = name ? PyUnicode_FromFormat("%U: %S", name, value) : NULL;
     Py_XDECREF(name);
@@ -340,7 +357,7 @@ static void req_note_error(gqp_req *req, int keep_first)
         Py_XSETREF(req->error, msg);
     }
     PyErr_Clear();
-    PyErr_Restore(type, value, tb);
+    PyErr_SetRaisedException(value);
 }
 
 /* ---- finishing a request ------------------------------------------------ */
@@ -465,15 +482,14 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
  * which then wins. */
 static int req_finish_quiet(gqp_mw *mw, gqp_req *req)
 {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
+    PyObject *value = PyErr_GetRaisedException();
     if (req_finish(mw, req) < 0 && internal_error(mw, str_finish_where) < 0) {
-        if (!type) {
+        if (!value) {
             return -1;
         }
         PyErr_Clear();
     }
-    PyErr_Restore(type, value, tb);
+    PyErr_SetRaisedException(value);
     return 0;
 }
 
@@ -726,13 +742,12 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
         if (b && !(b->it = PyObject_GetIter(result))) {
             /* iter() of the app's result raised: its close() still runs */
             req_note_error(req, 0);
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
+            PyObject *value = PyErr_GetRaisedException();
             Py_CLEAR(b->it);
             PyObject *r = body_close(b, NULL);
             Py_XDECREF(r);
             PyErr_Clear();
-            PyErr_Restore(type, value, tb);
+            PyErr_SetRaisedException(value);
             Py_CLEAR(b);
         }
     }
@@ -743,15 +758,14 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
         /* No wrapper (out of memory): the app's close() and the end of
          * the request happen now, the error goes on. */
         req_note_error(req, 0);
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
+        PyObject *value = PyErr_GetRaisedException();
         PyObject *close = PyObject_GetAttr(result, str_close);
         PyObject *r = close ? PyObject_CallNoArgs(close) : NULL;
         Py_XDECREF(close);
         Py_XDECREF(r);
         PyErr_Clear();
         req_finish_quiet(mw, req);
-        PyErr_Restore(type, value, tb);
+        PyErr_SetRaisedException(value);
     }
     Py_DECREF(result);
     return (PyObject *)b;
@@ -992,7 +1006,13 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
         {str_loader, loader},
     };
     size_t n = sizeof kv / sizeof kv[0];
-    fields = _PyDict_NewPresized((Py_ssize_t)n);   /* (no resizes) */
+    /* The fields go into the new object's own dict.  (Installing a dict
+     * made beforehand, PyObject_GenericSetDict, is not seen by attribute
+     * reads on 3.13, which keeps a new object's values inline.) */
+    PyObject *noargs = PyTuple_New(0);
+    res = noargs ? PyBaseObject_Type.tp_new(rp_type, noargs, NULL) : NULL;
+    Py_XDECREF(noargs);
+    fields = res ? PyObject_GenericGetDict(res, NULL) : NULL;
     for (size_t i = 0; i < n; i++) {
         if (fields && (!kv[i].v ||
                        PyDict_SetItem(fields, kv[i].k, kv[i].v) < 0)) {
@@ -1005,13 +1025,8 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
             PyErr_SetString(PyExc_RuntimeError, "a field of the profile is "
                             "missing");
         }
-        goto done;
-    }
-    PyObject *noargs = PyTuple_New(0);
-    res = noargs ? PyBaseObject_Type.tp_new(rp_type, noargs, NULL) : NULL;
-    Py_XDECREF(noargs);
-    if (res && PyObject_GenericSetDict(res, fields, NULL) < 0) {
         Py_CLEAR(res);
+        goto done;
     }
 done:
     Py_XDECREF(top);
@@ -1070,8 +1085,7 @@ static gqp_py_thread *finalize_here(gqp_mw *mw, PyObject *eng, gqp_req *req)
  * exception set on entry stays set. */
 static void finalize_forget(PyObject *eng, gqp_req *req)
 {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
+    PyObject *value = PyErr_GetRaisedException();
     Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
     PyObject *requests = PyObject_GetAttr(eng, str_requests_attr);
     PyObject *by_addr = PyObject_GetAttr(eng, str_profile_requests);
@@ -1080,7 +1094,7 @@ static void finalize_forget(PyObject *eng, gqp_req *req)
     Py_XDECREF(requests);
     Py_XDECREF(by_addr);
     PyErr_Clear();
-    PyErr_Restore(type, value, tb);
+    PyErr_SetRaisedException(value);
 }
 
 /* MiddlewareBase._finalize(engine, request): closes the request's profile,
@@ -1118,14 +1132,7 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
                                                 str_drain_blocking, eng);
         if (!r && internal_error(self, str_finish_where) < 0) {
-            PyObject *type, *tb;
-            PyErr_Fetch(&type, &stop, &tb);
-            PyErr_NormalizeException(&type, &stop, &tb);
-            if (stop && tb) {
-                PyException_SetTraceback(stop, tb);
-            }
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
+            stop = PyErr_GetRaisedException();
         }
         Py_XDECREF(r);
         st = finalize_here(self, eng, req);
@@ -1242,8 +1249,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
                 /* A BaseException (the finisher killed) goes on; what
                  * this pass did not look at stays queued. */
                 Py_DECREF(item);
-                PyObject *type, *value, *tb;
-                PyErr_Fetch(&type, &value, &tb);
+                PyObject *value = PyErr_GetRaisedException();
                 for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(pending);
                      j++) {
                     if (PyList_Append(waiting,
@@ -1256,7 +1262,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
                                 waiting);
                 Py_DECREF(waiting);
                 PyErr_Clear();
-                PyErr_Restore(type, value, tb);
+                PyErr_SetRaisedException(value);
                 return NULL;
             }
             Py_XDECREF(r);

@@ -75,3 +75,16 @@ def _to_str(value):
     if type(text) is not str:
         text = str.__str__(text)
     return text
+
+
+def clean_lines(text, limit=None):
+    """``clean`` for multi-line text such as stacks: each line is cleaned
+    (``limit`` applies per line), the line breaks stay."""
+    if text is None:
+        return None
+    if type(text) is not str:
+        text = _to_str(text)
+    lines = text.split("\n")
+    if limit is None and all([line.isprintable() for line in lines]):
+        return text   # (the common case: no copy)
+    return "\n".join([clean(line, limit) for line in lines])

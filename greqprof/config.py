@@ -4,9 +4,12 @@ Operators who cannot edit code set ``GREQPROF_*`` variables; they are read
 once, when the middleware is constructed.  Arguments given in code win.  An
 invalid value fails at start-up with a ConfigError naming the variable.
 """
+import logging
 import math
 import os
+import re
 
+from ._text import clean as _clean
 from .errors import ConfigError
 
 
@@ -24,98 +27,332 @@ UNSET = _Unset()
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
+# Every option has one spec below: it parses its GREQPROF_* string
+# (``spec(var, raw)``) and checks a value given in code (``spec.check(option,
+# value)``) against the same documented range (``spec.doc``, listed in
+# docs/production.md).  Errors are ConfigErrors naming the option or
+# variable.  Numbers from the environment are plain ASCII decimals (no
+# ``1_000``, no non-ASCII digits, no nan/inf).  To add an option: one row in
+# VARIABLES (or OPTIONS for code-only options) and ``check(name, value)``
+# where the value is used.
 
-def _bool(var, raw):
-    v = raw.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ConfigError("%s=%r: expected one of 1/0, true/false, yes/no, on/off"
-                      % (var, raw))
+_INT_RE = re.compile(r"[+-]?[0-9]+\Z", re.ASCII)
+_FLOAT_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+                       r"(?:[eE][+-]?[0-9]+)?\Z", re.ASCII)
 
 
-def _float(lo=None, hi=None, allow_off=False):
-    def parse(var, raw):
+def _show(value, secret):
+    return "<hidden>" if secret else _clean(repr(value), 80)
+
+
+class _Spec:
+    """A documented range of values for one option."""
+    doc = ""
+    secret = False   # never echo the value in an error
+
+    def __call__(self, var, raw):
+        """The value of a GREQPROF_* variable's string ``raw``."""
+        try:
+            if not isinstance(raw, str):
+                raise _Bad("expected a string")
+            return self.validate(self.parse(raw))
+        except _Bad as e:
+            raise ConfigError("%s=%s: %s" % (var, _show(raw, self.secret),
+                                             self._why(e))) from None
+
+    def parse(self, raw):
+        return raw.strip()
+
+    def check(self, name, value):
+        """``value`` as the option holds it; ConfigError naming ``name``
+        when it is outside the range."""
+        try:
+            return self.validate(value)
+        except _Bad as e:
+            raise ConfigError("%s %s, got %s" % (
+                name, self._why(e), _show(value, self.secret))) from None
+
+    def _why(self, e):
+        return "must be %s%s" % (self.doc, ": %s" % e if str(e) else "")
+
+    def validate(self, value):
+        return value
+
+
+class _Bad(Exception):
+    """A value outside a spec's range (turned into a ConfigError)."""
+
+
+def _num(x):
+    return str(int(x)) if x == int(x) else repr(x)
+
+
+class _Number(_Spec):
+    def __init__(self, lo, hi, integer=False, lo_open=False, off=False,
+                 zero_off=False, unit=""):
+        # zero_off: "0" in the environment means off (None)
+        self.lo, self.hi, self.integer = lo, hi, integer
+        self.lo_open, self.off, self.zero_off = lo_open, off, zero_off
+        kind = "an integer" if integer else "a number"
+        self.doc = "%s %s %s%s%s" % (
+            kind, "above %s and at most" % _num(lo) if lo_open
+            else "from %s to" % _num(lo), _num(hi),
+            " %s" % unit if unit else "",
+            ", or None%s" % (" (0 or off in the environment)" if zero_off
+                             else " (off in the environment)") if off
+            else "")
+
+    def parse(self, raw):
         v = raw.strip()
-        if allow_off and v.lower() in ("off", "none", ""):
+        if self.off and v.lower() in ("off", "none", ""):
+            return None
+        if not (_INT_RE if self.integer else _FLOAT_RE).match(v):
+            raise _Bad("not %s (plain ASCII digits)"
+                       % ("an integer" if self.integer else "a number"))
+        x = int(v) if self.integer else float(v)
+        return None if self.zero_off and x == 0 else x
+
+    def validate(self, value):
+        if value is None and self.off:
+            return None
+        types = (int,) if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise _Bad("")
+        try:
+            x = value if self.integer else float(value)
+        except OverflowError:
+            raise _Bad("out of range") from None
+        if x != x or x < self.lo or x > self.hi or \
+                (self.lo_open and x == self.lo):
+            raise _Bad("")
+        return x
+
+
+class _Bool(_Spec):
+    doc = "True or False (1/0, true/false, yes/no, on/off in the environment)"
+
+    def parse(self, raw):
+        v = raw.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+        raise _Bad("expected one of 1/0, true/false, yes/no, on/off")
+
+    def validate(self, value):
+        if not isinstance(value, bool):
+            raise _Bad("")
+        return value
+
+
+class _Choice(_Spec):
+    def __init__(self, *options):
+        self.options = options
+        self.doc = "one of %s" % ", ".join(repr(o) for o in options)
+
+    def parse(self, raw):
+        return raw.strip().lower()
+
+    def validate(self, value):
+        if not isinstance(value, str) or value not in self.options:
+            raise _Bad("")
+        return value
+
+
+class _Text(_Spec):
+    """Printable text of 1 to ``max_len`` characters (``pattern``: a regex
+    it must match; ``ascii``: printable ASCII only)."""
+
+    def __init__(self, doc, max_len=200, pattern=None, ascii=False,
+                 min_len=1, secret=False, optional=False):
+        self.doc, self.max_len, self.min_len = doc, max_len, min_len
+        self.optional = optional
+        self.pattern = re.compile(pattern + r"\Z") if pattern else None
+        self.ascii, self.secret = ascii, secret
+
+    def validate(self, value):
+        if value is None and self.optional:
+            return None
+        if not isinstance(value, str):
+            raise _Bad("")
+        if not value.strip():
+            raise _Bad("empty")
+        if len(value) < self.min_len:
+            raise _Bad("fewer than %d characters" % self.min_len)
+        if len(value) > self.max_len:
+            raise _Bad("longer than %d characters" % self.max_len)
+        if not value.isprintable() or (self.ascii and not value.isascii()):
+            raise _Bad("control or non-%s characters"
+                       % ("ASCII" if self.ascii else "printable"))
+        if self.pattern is not None and not self.pattern.match(value):
+            raise _Bad("")
+        return value
+
+
+class _Logger(_Text):
+    def __init__(self):
+        super().__init__("a logging.Logger or a logger name (printable, up "
+                         "to 200 characters)")
+
+    def validate(self, value):
+        if isinstance(value, logging.Logger):
+            return value
+        return super().validate(value)
+
+
+class _Path(_Spec):
+    doc = "a directory path (str or os.PathLike, no NUL, up to 4096 characters)"
+
+    def validate(self, value):
+        if value is None:
             return None
         try:
-            x = float(v)
-        except ValueError:
-            raise ConfigError("%s=%r: not a number" % (var, raw)) from None
-        if not math.isfinite(x) or (lo is not None and x < lo) or \
-                (hi is not None and x > hi):
-            raise ConfigError("%s=%r: must be between %s and %s"
-                              % (var, raw, lo, "inf" if hi is None else hi))
-        return x
-    return parse
+            path = os.fspath(value)
+        except TypeError:
+            raise _Bad("") from None
+        if not isinstance(path, str):
+            raise _Bad("a str path is expected")
+        if not path.strip():
+            raise _Bad("empty")
+        if "\0" in path:
+            raise _Bad("contains a NUL character")
+        if len(path) > 4096:
+            raise _Bad("longer than 4096 characters")
+        return value
 
 
-def _int(lo):
-    def parse(var, raw):
+class _Names(_Spec):
+    """A list (or comma-separated string) of 1 to 32 names."""
+
+    def __init__(self, doc, item):
+        self.doc, self.item = doc, item
+
+    def parse(self, raw):
+        items = [x.strip() for x in raw.split(",") if x.strip()]
+        if not items:
+            raise _Bad("expected a comma-separated list")
+        return items
+
+    def validate(self, value):
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [x.strip() for x in value.split(",") if x.strip()]
         try:
-            x = int(raw.strip())
-        except ValueError:
-            raise ConfigError("%s=%r: not an integer" % (var, raw)) from None
-        if x < lo:
-            raise ConfigError("%s=%r: must be >= %d" % (var, raw, lo))
-        return x
-    return parse
+            items = list(value)
+        except TypeError:
+            raise _Bad("") from None
+        if not items or len(items) > 32:
+            raise _Bad("")
+        for x in items:
+            self.item.validate(x)
+        return items
+
+
+class _Callable(_Spec):
+    def __init__(self, doc, optional=True):
+        self.doc, self.optional = doc, optional
+
+    def validate(self, value):
+        if value is None and self.optional:
+            return None
+        if not callable(value):
+            raise _Bad("")
+        return value
+
+
+class _Seed(_Spec):
+    doc = "None, an int, a float, a str or bytes"
+
+    def validate(self, value):
+        if value is None or (isinstance(value, (int, float, str, bytes,
+                                                bytearray))
+                             and not isinstance(value, bool)):
+            return value
+        raise _Bad("")
+
+
+# Kept for other modules' rows in VARIABLES: the old parser factories.
+def _float(lo=None, hi=None, allow_off=False):
+    return _Number(-math.inf if lo is None else lo,
+                   math.inf if hi is None else hi, off=allow_off)
+
+
+def _int(lo, hi=2 ** 31 - 1):
+    return _Number(lo, hi, integer=True)
 
 
 def _choice(*options):
-    def parse(var, raw):
-        v = raw.strip().lower()
-        if v not in options:
-            raise ConfigError("%s=%r: must be one of %s"
-                              % (var, raw, ", ".join(options)))
-        return v
-    return parse
+    return _Choice(*options)
 
 
-def _text(var, raw):
-    v = raw.strip()
-    if not v:
-        raise ConfigError("%s is set but empty" % var)
-    return v
+_bool = _Bool()
+_text = _Text("printable text")
+_list = _Names("a list of names", _Text("a name"))
 
+#: spans kept per request: each costs 40 bytes, allocated as the request
+#: records them; the cap bounds a request's memory (max_open of them)
+MAX_SPANS = 100000
+_TOKEN = r"[A-Za-z0-9][A-Za-z0-9-]*"
 
-def _list(var, raw):
-    items = [x.strip() for x in raw.split(",") if x.strip()]
-    if not items:
-        raise ConfigError("%s=%r: expected a comma-separated list"
-                          % (var, raw))
-    return items
-
-
-def _positive_or_off(var, raw):
-    v = _float(lo=0.0, allow_off=True)(var, raw)
-    if v == 0.0:
-        return None
-    return v
-
-
-#: variable -> (middleware option, parser, default)
+#: variable -> (middleware option, spec, default)
 VARIABLES = {
-    "GREQPROF_PCT": ("pct", _float(0.0, 1.0), 0.05),
+    "GREQPROF_PCT": ("pct", _Number(0.0, 1.0), 0.05),
     "GREQPROF_CALLS": ("calls", _bool, False),
     "GREQPROF_CLOCK": ("clock", _choice("cpu", "wall"), "cpu"),
-    "GREQPROF_BLOCKING_MS": ("blocking_ms", _positive_or_off, 100),
+    "GREQPROF_BLOCKING_MS": ("blocking_ms", _Number(
+        0.0, 3600000.0, lo_open=True, off=True, zero_off=True,
+        unit="milliseconds"), 100),
     "GREQPROF_JSON_LOGS": ("json_logs", _bool, False),
-    "GREQPROF_MAX_SPANS": ("max_spans", _int(1), 1000),
-    "GREQPROF_LINGER": ("linger", _float(0.0, 60.0), 1.0),
-    "GREQPROF_LOGGER": ("logger", _text, "greqprof"),
-    "GREQPROF_PROFILE_DIR": ("profile_dir", _text, None),
-    "GREQPROF_FORMATS": ("formats", _list, None),
-    "GREQPROF_TRIGGER_HEADER": ("trigger_header", _text, None),
-    "GREQPROF_TRIGGER_SECRET": ("trigger_secret", _text, None),
+    "GREQPROF_MAX_SPANS": ("max_spans", _Number(1, MAX_SPANS, integer=True),
+                           1000),
+    "GREQPROF_LINGER": ("linger", _Number(0.0, 60.0, unit="seconds"), 1.0),
+    "GREQPROF_LOGGER": ("logger", _Logger(), "greqprof"),
+    "GREQPROF_PROFILE_DIR": ("profile_dir", _Path(), None),
+    "GREQPROF_FORMATS": ("formats", _Names(
+        "a list of format names", _Text("a format name", 32,
+                                        pattern=r"[a-z]+")), None),
+    "GREQPROF_TRIGGER_HEADER": ("trigger_header", _Text(
+        "a header name (letters, digits and dashes, up to 128)", 128,
+        pattern=_TOKEN, ascii=True, optional=True), None),
+    "GREQPROF_TRIGGER_SECRET": ("trigger_secret", _Text(
+        "a string of 8 to 1024 printable ASCII characters", 1024,
+        ascii=True, min_len=8, secret=True, optional=True), None),
     "GREQPROF_OTEL": ("otel", _bool, False),
     "GREQPROF_OTEL_SPANS": ("otel_spans", _bool, False),
     "GREQPROF_ENABLED": ("enabled", _bool, True),
-    "GREQPROF_BLOCKING_INTERVAL": ("blocking_interval", _float(0.0), 10.0),
-    "GREQPROF_JSON_MAX_BYTES": ("json_max_bytes", _int(1024), 65536),
+    "GREQPROF_BLOCKING_INTERVAL": ("blocking_interval", _Number(
+        0.0, 86400.0, unit="seconds"), 10.0),
+    "GREQPROF_JSON_MAX_BYTES": ("json_max_bytes", _Number(
+        1024, 2 ** 30, integer=True, unit="bytes"), 65536),
 }
+
+#: option -> spec of the options that only code sets
+OPTIONS = {
+    "max_open": _Number(1, 1000000, integer=True),
+    "ui_keep": _Number(1, 10000, integer=True),
+    "ui_path": _Text("a path like '/_greqprof' (printable ASCII, no ? or #, "
+                     "up to 200)", 200, pattern=r"/[!$&'()*+,;=:@%/.~\w-]*",
+                     ascii=True, optional=True),
+    "ui_token": _Text("a string of 8 to 1024 printable ASCII characters",
+                      1024, ascii=True, min_len=8, secret=True,
+                      optional=True),
+    "ui_hosts": _Names("a list of host names or IP addresses",
+                       _Text("a host name", 255)),
+    "stacks": _bool, "watchdog": _bool, "report": _bool,
+    "sink": _Callable("a callable or None"),
+    "rng": _Callable("a callable returning floats in [0, 1), or None"),
+    "seed": _Seed(),
+}
+OPTIONS.update({opt: spec for opt, spec, _ in VARIABLES.values()})
+
+
+def check(option, value):
+    """``value`` checked against ``option``'s documented range (ConfigError
+    naming the option otherwise); returns the value as the option holds
+    it (``blocking_ms=0`` is None, ``formats`` a list)."""
+    return OPTIONS[option].check(option, value)
+
 
 #: options that may be read from the environment
 ENV_OPTIONS = {opt: var for var, (opt, _, _) in VARIABLES.items()}
@@ -129,14 +366,16 @@ def resolve(explicit, environ=None):
     silently leave profiling misconfigured."""
     env = os.environ if environ is None else environ
     for var in env:
-        if var.startswith("GREQPROF_") and var not in VARIABLES \
-                and var not in IGNORED:
+        if isinstance(var, str) and var.startswith("GREQPROF_") and \
+                var not in VARIABLES and var not in IGNORED:
             raise ConfigError("unknown environment variable %s (known: %s)"
-                              % (var, ", ".join(sorted(VARIABLES))))
+                              % (_clean(var, 80), ", ".join(sorted(VARIABLES))))
     out = dict(explicit)
     sources = {}
     for var, (opt, parse, default) in VARIABLES.items():
         if opt in out and out[opt] is not UNSET:
+            # Given in code: the same range as the variable's.
+            out[opt] = parse.check(opt, out[opt])
             continue
         raw = env.get(var)
         if raw is not None:

@@ -9,12 +9,13 @@ Routes (below ``ui_path``, GET unless noted)::
     /p/<id>/<format>  download in another format (trace, speedscope, ...)
     POST /clear       forgets the kept profiles (the only state change)
 
-Access: by default only loopback clients (REMOTE_ADDR in 127.0.0.0/8 or
-::1) whose Host header is a loopback name, which also defeats DNS
-rebinding.  ``ui_allow`` (addresses or networks) replaces the loopback rule;
+Access: in every mode the Host header, parsed strictly (``parse_host``),
+must name loopback or one of ``ui_hosts``, which defeats DNS rebinding.
+Then, by default, only loopback clients (REMOTE_ADDR in 127.0.0.0/8 or
+::1); ``ui_allow`` (addresses or networks) replaces the loopback rule;
 ``ui_token`` requires ``?token=`` or an ``X-Greqprof-Token`` header
 (compared in constant time) and, without ``ui_allow``, lets any address in.
-Everyone else gets 403.  Pages carry a strict Content-Security-Policy and
+Everyone else gets 403 (docs/viewing.md has the table).  Pages carry a strict Content-Security-Policy and
 ``Referrer-Policy: no-referrer``; POST /clear also needs the per-process
 form key of the list page (no cross-site request can clear)."""
 import collections
@@ -28,12 +29,14 @@ import secrets
 import threading
 from urllib.parse import parse_qs, quote, urlencode
 
+from . import config
+from ._text import clean
 from .errors import ConfigError
 from .renderers import RENDERERS, RenderError, get_renderer
 from .renderers.html import HtmlRenderer, asset, content_security_policy
 
 _ID = re.compile(r"^/p/(\d{1,18})(?:(\.json)|/([a-z]{1,20}))?$")
-_LOOPBACK_HOSTS = ("localhost", "localhost.", "ip6-localhost")
+_LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
 MAX_BODY = 4096
 
 
@@ -54,16 +57,79 @@ def _is_loopback(addr):
     return ip is not None and ip.is_loopback
 
 
-def _host_is_loopback(host):
-    """True when an HTTP Host header names this machine's loopback."""
-    if not host:
-        return True  # HTTP/1.0 without Host: nothing to rebind
-    host = host.strip().lower()
-    if host.startswith("["):  # [::1]:port
-        name = host[1:].split("]", 1)[0]
+_PORT = re.compile(r"[0-9]{1,5}\Z", re.ASCII)
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)\Z", re.ASCII)
+_IPV4 = re.compile(r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"
+                   r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\Z",
+                   re.ASCII)
+
+
+def parse_host(value):
+    """``(name, port)`` of an HTTP Host header value, strictly: ``host`` or
+    ``host:port`` where host is a DNS name (labels of letters, digits,
+    ``-`` and ``_``; no empty label), a dotted-quad IPv4 address or a
+    bracketed IPv6 address, and port is 1 to 5 digits (at most 65535).
+    ``name`` is lower-case, without a trailing dot (IPv6 without
+    brackets, compressed); port is an int or None.  None for anything else:
+    userinfo (``a@b``), ``localhost:80@evil.com``, ``[::1]evil.com``,
+    ``localhost:evil``, spaces, ``a..b``, numeric names that are not a
+    dotted quad (``127.1``)."""
+    if not isinstance(value, str) or not value or len(value) > 300 or \
+            not value.isascii():
+        return None
+    port = None
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            return None
+        rest = value[end + 1:]
+        if rest:
+            if not rest.startswith(":") or not _PORT.match(rest[1:]):
+                return None
+            port = int(rest[1:])
+        if "%" in value[1:end]:
+            return None   # a zone id names no host a browser would ask for
+        try:
+            name = str(ipaddress.IPv6Address(value[1:end]))
+        except ValueError:
+            return None
     else:
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        name, sep, p = value.partition(":")
+        if sep:
+            if not _PORT.match(p):
+                return None
+            port = int(p)
+        name = name.lower()
+        if name.endswith("."):
+            name = name[:-1]
+        labels = name.split(".")
+        if len(name) > 253 or not all(_LABEL.match(x) for x in labels):
+            return None
+        if labels[-1].isdigit() and not _IPV4.match(name):
+            return None
+    if port is not None and port > 65535:
+        return None
+    return name, port
+
+
+def _host_is_loopback(name):
+    """True when a parsed Host name is this machine's loopback."""
     return name in _LOOPBACK_HOSTS or _is_loopback(name)
+
+
+def _hosts(hosts):
+    """ui_hosts as a set of parsed names (ConfigError for an entry that
+    is not a host name or IP address)."""
+    if isinstance(hosts, str):
+        hosts = [hosts]
+    names = set()
+    for h in hosts:
+        parsed = parse_host(h.strip()) if isinstance(h, str) else None
+        if parsed is None or parsed[1] is not None:
+            raise ConfigError("ui_hosts: %s is not a host name or IP address "
+                              "(no port, no scheme)" % clean(repr(h), 100))
+        names.add(parsed[0])
+    return frozenset(names)
 
 
 def _networks(allow):
@@ -94,22 +160,18 @@ class Inspector:
     """The inspector sub-app and its bounded ring of RequestProfiles."""
 
     def __init__(self, ui_path="/_greqprof", ui_allow=None, ui_token=None,
-                 ui_keep=50):
-        if not isinstance(ui_path, str) or not ui_path.startswith("/") or \
-                ui_path.rstrip("/") == "" or "?" in ui_path or \
-                "#" in ui_path:
+                 ui_keep=50, ui_hosts=None):
+        config.check("ui_path", ui_path)
+        if ui_path is None or ui_path.rstrip("/") == "":
             raise ConfigError("ui_path must be a path like '/_greqprof', got "
                               "%r" % (ui_path,))
-        if isinstance(ui_keep, bool) or not isinstance(ui_keep, int) or \
-                ui_keep < 1:
-            raise ConfigError("ui_keep must be a positive integer, got %r"
-                              % (ui_keep,))
-        if ui_token is not None and (not isinstance(ui_token, str)
-                                     or len(ui_token) < 8):
-            raise ConfigError("ui_token must be a string of at least 8 "
-                              "characters")
+        config.check("ui_keep", ui_keep)
+        config.check("ui_token", ui_token)
+        ui_hosts = config.check("ui_hosts", ui_hosts)   # (a list now)
         self.path = ui_path.rstrip("/")
         self.allow = _networks(ui_allow) if ui_allow is not None else None
+        #: Host names (beyond loopback ones) the pages may be reached by
+        self.hosts = _hosts(ui_hosts) if ui_hosts is not None else frozenset()
         self._token = ui_token.encode("utf-8") if ui_token else None
         self.keep = ui_keep
         self._ring = collections.deque(maxlen=ui_keep)
@@ -147,16 +209,30 @@ class Inspector:
         p = environ.get("PATH_INFO", "")
         return p == self.path or p.startswith(self.path + "/")
 
+    def host_allowed(self, environ):
+        """The Host check, in every mode: no Host (HTTP/1.0: nothing to
+        rebind), or a strictly valid one naming loopback or one of
+        ``ui_hosts``.  A page of another site that a DNS name was rebound
+        for carries that name, so it never gets in (DNS rebinding)."""
+        host = environ.get("HTTP_HOST")
+        if host is None:
+            return True
+        parsed = parse_host(host)
+        if parsed is None:
+            return False
+        return _host_is_loopback(parsed[0]) or parsed[0] in self.hosts
+
     def allowed(self, environ):
         """The access rule (see the module doc)."""
+        if not self.host_allowed(environ):
+            return False
         addr = environ.get("REMOTE_ADDR", "")
         if self.allow is not None:
             ip = _ip(addr)
             if ip is None or not any(ip in n for n in self.allow):
                 return False
         elif self._token is None:
-            if not _is_loopback(addr) or \
-                    not _host_is_loopback(environ.get("HTTP_HOST", "")):
+            if not _is_loopback(addr):
                 return False
         if self._token is not None:
             given = environ.get("HTTP_X_GREQPROF_TOKEN")
@@ -237,7 +313,11 @@ class Inspector:
         return url
 
     def _list(self, environ, start_response):
-        esc = html.escape
+        def esc(text, quote=True):
+            # (clean first: a profile a sink or test built by hand may
+            # hold bytes or unpaired surrogates; one bad row must not
+            # take the list down)
+            return html.escape(clean(text), quote)
         rows = []
         for i, p in self.profiles():
             link = self._url(environ, "/p/%d" % i)
@@ -359,27 +439,29 @@ class ProfileOutputs:
     without ``profile_dir``)."""
 
     def __init__(self, calls, profile_dir=None, formats=None, ui_path=None,
-                 ui_allow=None, ui_token=None, ui_keep=50):
+                 ui_allow=None, ui_token=None, ui_keep=50, ui_hosts=None):
         self.writer = None
         self.ui = None
         if formats is not None and profile_dir is None:
             raise ConfigError("formats needs profile_dir")
         if ui_path is None and (ui_allow is not None or
-                                ui_token is not None):
-            raise ConfigError("ui_allow and ui_token need ui_path")
+                                ui_token is not None or
+                                ui_hosts is not None):
+            raise ConfigError("ui_allow, ui_hosts and ui_token need ui_path")
         if profile_dir is not None:
             from .renderers.files import ProfileWriter
             self.writer = ProfileWriter(profile_dir, formats or ("json",),
                                         calls=calls)
         if ui_path is not None:
             self.ui = Inspector(ui_path, ui_allow=ui_allow, ui_token=ui_token,
-                                ui_keep=ui_keep)
+                                ui_keep=ui_keep, ui_hosts=ui_hosts)
 
     @classmethod
     def create(cls, calls, **options):
         """None when no option asks for anything (the default)."""
         if all(options.get(k) is None for k in
-               ("profile_dir", "formats", "ui_path", "ui_allow", "ui_token")):
+               ("profile_dir", "formats", "ui_path", "ui_allow", "ui_token",
+                "ui_hosts")):
             return None
         return cls(calls, **options)
 

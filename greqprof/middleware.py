@@ -20,6 +20,7 @@ from .engine import engine_for_thread
 from . import config
 from .config import UNSET
 from .errors import ConfigError
+from ._text import clean
 from .report import render_blocking, safe
 from .request_profile import BlockingEvent, RequestProfile
 
@@ -54,23 +55,14 @@ class _Config:
 
     def __init__(self, pct, calls, clock, blocking_ms, max_spans, stacks,
                  watchdog, max_open):
-        if isinstance(pct, bool) or not isinstance(pct, (int, float)) \
-                or not 0.0 <= pct <= 1.0:
-            raise ConfigError("pct must be a number from 0.0 to 1.0, got %r"
-                              % (pct,))
-        if clock not in ("cpu", "wall"):
-            raise ConfigError("clock must be 'cpu' or 'wall', got %r"
-                              % (clock,))
-        if blocking_ms is not None and (
-                isinstance(blocking_ms, bool)
-                or not isinstance(blocking_ms, (int, float))
-                or not math.isfinite(blocking_ms) or blocking_ms <= 0):
-            raise ConfigError("blocking_ms must be a positive number of "
-                              "milliseconds or None, got %r" % (blocking_ms,))
-        for name, v in (("max_spans", max_spans), ("max_open", max_open)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError("%s must be a positive integer, got %r"
-                                  % (name, v))
+        # Each against its documented range (config.py, docs/production.md).
+        check = config.check
+        pct, clock = check("pct", pct), check("clock", clock)
+        blocking_ms = check("blocking_ms", blocking_ms)
+        max_spans = check("max_spans", max_spans)
+        max_open = check("max_open", max_open)
+        calls, stacks = check("calls", calls), check("stacks", stacks)
+        watchdog = check("watchdog", watchdog)
         self.pct = float(pct)
         self.calls = bool(calls)
         self.clock = clock
@@ -138,7 +130,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         Off unless set.  Only loopback clients may use it unless
         ``ui_allow`` (addresses/networks) or ``ui_token`` (required as
         ``?token=`` or ``X-Greqprof-Token``) is given; it keeps the last
-        ``ui_keep`` profiles.
+        ``ui_keep`` profiles.  The Host header must always name loopback
+        or one of ``ui_hosts`` (host names or IP addresses), against DNS
+        rebinding (docs/viewing.md).
     """
 
     def __init__(self, app, pct=UNSET, *, calls=UNSET, clock=UNSET,
@@ -147,7 +141,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  rng=None, trigger_header=UNSET, trigger_secret=UNSET,
                  max_open=64, report=True, watchdog=True, linger=UNSET,
                  profile_dir=UNSET, formats=UNSET, ui_path=None, ui_allow=None,
-                 ui_token=None, ui_keep=50, otel=UNSET, otel_spans=UNSET,
+                 ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
+                 otel_spans=UNSET,
                  observers=(), environ=None, blocking_interval=UNSET,
                  json_max_bytes=UNSET):
         if not callable(app):
@@ -188,20 +183,12 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 raise ConfigError("sink must be callable, got %r" % (sink,))
             self.sink = sink
             self.json_logs = bool(json_logs)
-            self.report = bool(report)
-            interval = opts["blocking_interval"]
-            if isinstance(interval, bool) or \
-                    not isinstance(interval, (int, float)) or \
-                    not math.isfinite(interval) or interval < 0:
-                raise ConfigError("blocking_interval must be a number of "
-                                  "seconds >= 0, got %r" % (interval,))
-            self._blocking_sites = _BlockingSites(float(interval))
-            jmax = opts["json_max_bytes"]
-            if isinstance(jmax, bool) or not isinstance(jmax, int) or \
-                    jmax < 1024:
-                raise ConfigError("json_max_bytes must be an integer >= "
-                                  "1024, got %r" % (jmax,))
-            self.json_max_bytes = jmax
+            self.report = config.check("report", report)
+            config.check("seed", seed)
+            self._blocking_sites = _BlockingSites(float(config.check(
+                "blocking_interval", opts["blocking_interval"])))
+            self.json_max_bytes = config.check("json_max_bytes",
+                                               opts["json_max_bytes"])
             self.log = (logger if isinstance(logger, logging.Logger)
                         else logging.getLogger(logger))
             if rng is not None and not callable(rng):
@@ -235,7 +222,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._outputs = ProfileOutputs.create(
                 self.config.calls, profile_dir=profile_dir, formats=formats,
                 ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
-                ui_keep=ui_keep)
+                ui_keep=ui_keep, ui_hosts=ui_hosts)
             self.inspector = self._outputs.ui if self._outputs else None
             # The C part runs unsampled requests (_fastpath.c) and the
             # common sampled ones (_sampled.c) by itself; the rest comes
@@ -262,10 +249,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
 
     @linger.setter
     def linger(self, linger):
-        if isinstance(linger, bool) or not isinstance(linger, (int, float)) \
-                or not math.isfinite(linger) or linger < 0:
-            raise ConfigError("linger must be a number of seconds >= 0, got "
-                              "%r" % (linger,))
+        linger = config.check("linger", linger)
         self._set_linger(float(linger))
         self._linger = float(linger)
 
@@ -363,10 +347,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req = _OpenRequest()
         req.generation = _engine.fork_generation()
         req.greenlet = g
-        req.method = str(environ.get("REQUEST_METHOD", ""))[:32]
-        req.path = str(environ.get("PATH_INFO", ""))[:MAX_PATH]
+        # (clean text: greqprof/_text.py; bytes are read as latin-1)
+        req.method = clean(environ.get("REQUEST_METHOD") or "")[:32]
+        req.path = clean(environ.get("PATH_INFO") or "")[:MAX_PATH]
         rid = environ.get("HTTP_X_REQUEST_ID")
-        req.request_id = str(rid)[:MAX_REQUEST_ID] if rid else None
+        req.request_id = clean(rid)[:MAX_REQUEST_ID] if rid else None
         req.status = None
         req.error = None
         req.done = False
@@ -698,10 +683,13 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         method = path = rid = None
         if owner is not None:
             method, path, rid = owner.method, owner.path, owner.request_id
-            if getattr(owner, "gid", None) == gid and method and path:
-                # the request's own greenlet: named after the request, as
-                # in its profile (an unsampled request's is not known)
-                name = "%s %s" % (method, path)
+        name, fn, stack, sampled, method, path, rid = _collect.blocking_texts(
+            name, fn, stack, sampled, method, path, rid)
+        if owner is not None and getattr(owner, "gid", None) == gid and \
+                method and path:
+            # the request's own greenlet: named after the request, as in
+            # its profile (an unsampled request's is not known)
+            name = "%s %s" % (method, path)
         if fn and (not name or name == "Greenlet" or
                    name.startswith(("Greenlet-", "greenlet-"))):
             name = fn   # (unnamed: by its function, as in profiles)

@@ -12,14 +12,26 @@ CLOCKS = ("cpu", "wall")
 CPU_MODES = ("estimate", "exact")
 
 
-def _check_positive(name, value, integer=False, allow_zero=False):
+def _check_positive(name, value, integer=False, allow_zero=False,
+                    hi=None):
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise ConfigError("%s must be a number, got %r" % (name, value))
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError("%s must be %s, got %r"
                           % (name, ">= 0" if allow_zero else "> 0", value))
+    # (NaN fails both comparisons: refused here too)
+    if hi is not None and not value <= hi:
+        raise ConfigError("%s must be at most %s, got %r" % (name, hi, value))
     return value
+
+
+#: documented maxima (docs/production.md): spans kept per thread, seconds
+#: of the CPU window and of the stack threshold, and the C library's depth
+MAX_SPANS = 10000000
+MAX_CPU_WINDOW = 1.0
+MAX_STACK_THRESHOLD = 3600.0
+MAX_DEPTH = 1 << 24
 
 
 _running_profilers = weakref.WeakSet()
@@ -80,14 +92,17 @@ class Profiler:
         self.calls = bool(calls)
         self.cpu = cpu
         self.cpu_window = _check_positive("cpu_window", cpu_window,
-                                          allow_zero=True)
+                                          allow_zero=True,
+                                          hi=MAX_CPU_WINDOW)
         self.max_spans = _check_positive("max_spans", max_spans,
-                                         integer=True, allow_zero=True)
+                                         integer=True, allow_zero=True,
+                                         hi=MAX_SPANS)
         if stack_threshold is not None:
             _check_positive("stack_threshold", stack_threshold,
-                            allow_zero=True)
+                            allow_zero=True, hi=MAX_STACK_THRESHOLD)
         self.stack_threshold = stack_threshold
-        self.max_depth = _check_positive("max_depth", max_depth, integer=True)
+        self.max_depth = _check_positive("max_depth", max_depth, integer=True,
+                                         hi=MAX_DEPTH)
         self._sessions = []
         self._lock = threading.Lock()
         self._running = False

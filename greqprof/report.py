@@ -10,10 +10,9 @@ read out, without building a Span object per span (``_raw_parts``); any
 other profile from its records (``_record_parts``).  Both feed the same
 formatting, so the text is the same either way."""
 import heapq
-import struct
 import time
 
-from ._text import clean
+from ._text import clean, clean_lines
 
 MAX_FIELD = 1024
 #: spans the default report shows (the longest ones, in start order)
@@ -25,19 +24,40 @@ DEFAULT_WAITS = 5
 
 
 def safe(text, limit=MAX_FIELD):
-    """Untrusted text as one printable line, capped at ``limit``
-    characters ("-" for None)."""
+    """Untrusted text as one printable line: capped to ``limit`` characters,
+    then cleaned (greqprof/_text.py: controls, line breaks, bidi and format
+    characters, lone surrogates escaped).  Text greqprof recorded is clean
+    already; this also covers profiles built by hand."""
     if text is None:
         return "-"
-    return clean(text, limit)
+    if not isinstance(text, str):
+        text = clean(text)
+    if len(text) > limit:
+        text = text[:limit] + "...[%d more]" % (len(text) - limit)
+    return clean(text)
+
+
+def _clean_safe(text, limit=MAX_FIELD):
+    """safe() of text cleaned first, as the records' names and stacks are
+    when a deferred profile is built (_collect): what the C renderer calls
+    for a name that is not plain printable ASCII, so its report is the
+    records' report."""
+    return safe(clean(text), limit)
+
+
+def _indent_clean_stack(stack):
+    return _indent_stack(clean_lines(stack))
 
 
 def _utc(ts):
     # (time.gmtime + strftime costs a third of datetime's formatting)
-    us = int(round(ts * 1e6))
-    secs, us = divmod(us, 1000000)
-    return "%s.%06d UTC" % (time.strftime("%Y-%m-%d %H:%M:%S",
-                                          time.gmtime(secs)), us)
+    try:
+        us = int(round(ts * 1e6))
+        secs, us = divmod(us, 1000000)
+        return "%s.%06d UTC" % (time.strftime("%Y-%m-%d %H:%M:%S",
+                                              time.gmtime(secs)), us)
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "-"   # (a hand-made profile's impossible time)
 
 
 def _ms(seconds):
@@ -116,28 +136,6 @@ def render_calls(calls, limit=25):
     return "\n".join(lines)
 
 
-def render_waits(waits, limit=DEFAULT_WAITS, dropped=0):
-    """The ``Waited at:`` lines of a request's wait sites (largest first;
-    records with fn_name, filename, lineno, stack, seconds, count,
-    greenlets): the first ``limit``, one line each, and a line for waits
-    not recorded (``dropped``: the profile's table of sites was full).
-    [] when the request has none."""
-    waits = list(waits or ())
-    if not waits and not dropped:
-        return []
-    shown = waits[:limit]
-    out = ["Waited at: (top %d of %d sites)" % (len(shown), len(waits))]
-    for w in shown:
-        out.append("  %10s %6d wait%s %4d greenlet%s  %s (%s:%d)" % (
-            _ms(w.seconds), w.count, "s" if w.count != 1 else " ",
-            w.greenlets, "s" if w.greenlets != 1 else " ",
-            safe(w.fn_name, 200), safe(w.filename, 300), w.lineno))
-    if dropped:
-        out.append("  (%d waits at further sites not recorded: the table "
-                   "of sites was full)" % dropped)
-    return out
-
-
 # ---------------------------------------------------------------------------
 # the report
 
@@ -185,10 +183,12 @@ def _record_parts(p, n_spans, n_greenlets):
 def _raw_parts(raw, n_spans, n_greenlets):
     """_Parts straight from read_profile's tuple (see
     _collect.request_records, whose records these lines must match)."""
-    from ._collect import GREENLET_ROW, SPAN_ROW, request_names
+    from ._collect import (GREENLET_ROW, SPAN_ROW, _clean_names,
+                           _clean_stacks, request_names)
     (span_rows, greenlet_rows, _longest, _end, wait_ns, top, complete,
      _ds, _dc, epoch0, wall0, names, stacks) = raw[:13]
-    names = request_names(names)
+    names = request_names(_clean_names(names))
+    stacks = _clean_stacks(stacks)
     parts = _Parts()
     rows = list(SPAN_ROW.iter_unpack(span_rows))
     rows.sort(key=lambda r: r[1])   # (_collect sorts spans by start too)
@@ -233,7 +233,7 @@ def _raw_parts(raw, n_spans, n_greenlets):
         name, fn = n or ("greenlet-%d" % gid, "")
         if fn and fn.startswith("greqprof."):
             continue  # (as request_records: greqprof's own greenlets)
-        wt.append((gid, name or "", fn or "", ns * 1e-9))
+        wt.append((gid, clean(name) or "", clean(fn) or "", ns * 1e-9))
     parts.wait_top = wt
     return parts
 
@@ -281,25 +281,19 @@ class _Wait:
 
 
 def _raw_waits(raw):
-    """A deferred profile's wait sites, largest first, from its rows
-    (read_profile's item 13: (records, site rows, dropped, events), the
-    layout _collect.wait_sites reads), without the per-event records
-    building every field would make; None when the rows are not in that
-    layout."""
-    from . import _collect
-    row = getattr(_collect, "WAIT_SITE_ROW", None)
-    if row is None or len(raw) <= 13:
-        return None if row is None else ((), 0)
+    """A deferred profile's (wait sites, largest first; waits not
+    recorded) from its rows (read_profile's item 13: (site rows, dropped,
+    events), the layout _collect.wait_sites reads), without the per-event
+    records that building every field would make; None when the rows are
+    not in that layout."""
+    if len(raw) <= 13:
+        return (), 0
     try:
-        records, stats, dropped = raw[13][0], raw[13][1], int(raw[13][2])
-        out = []
-        for rec, (_k, ns, count, greenlets, _t, _r) in zip(
-                records, row.iter_unpack(stats)):
-            _code, fn, filename, line, stack = rec or (None, "?", "", 0,
-                                                       ())
-            out.append(_Wait(fn, filename, line, stack, ns * 1e-9, count,
-                             greenlets))
-    except (TypeError, ValueError, IndexError, struct.error):
+        rows, dropped, _events = raw[13]
+        out = [_Wait(fn, filename, line, stack, ns * 1e-9, count, greenlets)
+               for fn, filename, line, stack, ns, count, greenlets in rows]
+        dropped = int(dropped)
+    except (TypeError, ValueError):
         return None
     out.sort(key=lambda w: -w.seconds)   # (stable, as wait_sites)
     return out, dropped
@@ -362,7 +356,7 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
             last = not d.get("blocking") and d.get("calls") is None and \
                 not any(_waits(p))
             text = _render_rows(d, loader[1], spans, greenlets, safe,
-                                _indent_stack, last)
+                                _indent_clean_stack, last, _clean_safe)
             if text is not None:
                 return text if last else _tail(p, [text], calls_limit)
     return _render_py(p, spans, calls_limit, greenlets)
@@ -439,3 +433,22 @@ def render_blocking(b):
     if not b.sampled_stack and not b.stack:
         parts.append("(no stack captured: the greenlet finished)")
     return "\n".join(parts)
+
+
+def render_waits(waits, limit=5, dropped=0):
+    """The ``Waited at:`` section's lines: the top `limit` wait sites
+    (largest first), one line each: time waited, count, greenlets,
+    ``fn_name (file:line)``.  No lines when the request never waited."""
+    if not waits and not dropped:
+        return []
+    shown = waits[:limit]
+    lines = ["Waited at: (top %d of %d sites)" % (len(shown), len(waits))]
+    for w in shown:
+        lines.append("  %10s %6d wait%s %4d greenlet%s  %s (%s:%d)" % (
+            _ms(w.seconds), w.count, " " if w.count == 1 else "s",
+            w.greenlets, " " if w.greenlets == 1 else "s",
+            safe(w.fn_name, 200), safe(w.filename, 300), w.lineno))
+    if dropped:
+        lines.append("  (%d waits at further sites not recorded: the "
+                     "table of sites was full)" % dropped)
+    return lines

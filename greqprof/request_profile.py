@@ -5,12 +5,66 @@ Everything is plain data with a stable ``to_dict()`` form and ``from_dict``
 produced elsewhere.
 """
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
+from ._text import clean, clean_lines
 from .stats import ChildStat, FuncStat, GreenletStat, Span
 
 SCHEMA = "greqprof.request_profile/1"
+
+#: a saved profile larger than this is refused (bytes): reading JSON takes
+#: about ten times the file's size in memory
+MAX_FILE_BYTES = 256 * 1024 * 1024
+#: longest text field (characters) and longest list a profile may hold
+MAX_TEXT = 1000000
+MAX_ITEMS = 10000000
+#: epoch times: 0 to year 5138 (what datetime and every renderer handle);
+#: durations: at most that many seconds either way
+MAX_EPOCH = 1e11
+MAX_SECONDS = 1e11
+MAX_INT = 2 ** 63 - 1
+
+
+_REQUIRED = object()          # (no default: the key must be there)
+_REQUIRED_DEFAULT = _REQUIRED
+_MISSING = object()
+
+
+def _no_constant(name):
+    raise ValueError("%s is not a number JSON allows" % name)
+
+
+def read_json(path):
+    """The JSON document at ``path``, for ``RequestProfile.load`` and
+    ``python -m greqprof view``: ValueError (one line, no traceback
+    material) for a file that is too large, not UTF-8, not JSON, holds
+    NaN/Infinity, or nests too deeply; OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_FILE_BYTES:
+            raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
+        data = f.read(MAX_FILE_BYTES + 1)   # (a pipe has no size)
+    return parse_json(data)
+
+
+def parse_json(data):
+    """read_json's checks on bytes already read."""
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except ValueError as e:   # (JSONDecodeError, too many digits, NaN)
+        raise ValueError("not valid JSON: %s" % clean(str(e), 200)) \
+            from None
 
 
 def _flat(record):
@@ -60,9 +114,20 @@ def _fit(d, max_bytes, kw):
         d["calls"] = calls
     spans = d["spans"]
     out = text()
-    while _size(out, kw) > max_bytes and (spans or d.get("calls")):
+    while _size(out, kw) > max_bytes and (spans or d.get("calls") or
+                                          d.get("wait_events")):
         calls = d.get("calls") or []
-        if len(calls) * 2 > len(spans) or not spans:
+        events = d.get("wait_events") or []
+        if events and len(events) >= len(spans) and \
+                len(events) >= 2 * len(calls):
+            # (the timeline's waits: the longest kept, in order)
+            keep = len(events) // 2
+            order = sorted(range(len(events)), key=lambda i: -(
+                events[i].get("end", 0) - events[i].get("start", 0)))[:keep]
+            cut["wait_events"] = cut.get("wait_events", 0) + \
+                len(events) - keep
+            d["wait_events"] = [events[i] for i in sorted(order)]
+        elif len(calls) * 2 > len(spans) or not spans:
             keep = len(calls) // 2
             cut["calls"] += len(calls) - keep
             d["calls"] = calls[:keep]
@@ -110,6 +175,40 @@ class Waiting:
     seconds: float
     top: Tuple[WaitedOn, ...] = ()
     complete: bool = True
+
+
+@dataclass(frozen=True)
+class WaitSite:
+    """Code where the request's greenlets waited.
+
+    Each time one of them switched out here (the innermost frame outside
+    gevent and greenlet), the time until it ran again (seconds, summed over
+    the greenlets); ``count`` such waits, by ``greenlets`` distinct
+    greenlets.  ``stack`` is ``"file:line in function"`` strings, outermost
+    first, ending at the site."""
+    fn_name: str
+    filename: str
+    lineno: int
+    stack: Tuple[str, ...]
+    seconds: float
+    count: int
+    greenlets: int
+
+    def to_dict(self):
+        d = asdict(self)
+        d["stack"] = list(self.stack)
+        return d
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    """One wait of a greenlet: switched out at ``start``, ran again at
+    ``end`` (seconds since the epoch); ``site`` is the index of its
+    WaitSite in ``RequestProfile.waits``."""
+    greenlet_id: int
+    start: float
+    end: float
+    site: int
 
 
 @dataclass(frozen=True)
@@ -171,6 +270,12 @@ class RequestProfile:
     pid: int = 0
     hostname: str = ""
     error: Optional[str] = None
+    #: where the greenlets waited, largest first (see WaitSite)
+    waits: List[WaitSite] = field(default_factory=list)
+    #: waits not recorded: the profile's table of sites was full
+    dropped_waits: int = 0
+    #: the first waits one by one (1024 at most), in the order they ended
+    wait_events: List[WaitEvent] = field(default_factory=list)
 
     # A sampled request's profile is made deferred (_sampled.c's
     # build_profile): its instance dict holds the fields above except
@@ -179,7 +284,8 @@ class RequestProfile:
     # without reading their spans does not pay for building them.
 
     #: fields a deferred profile builds on first access
-    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets")
+    DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets",
+                "waits", "dropped_waits", "wait_events")
 
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
@@ -239,6 +345,9 @@ class RequestProfile:
             },
             "greenlets": [_flat(g) for g in self.greenlets],
             "blocking": [b.to_dict() for b in self.blocking],
+            "waits": [w.to_dict() for w in self.waits],
+            "dropped_waits": self.dropped_waits,
+            "wait_events": [asdict(e) for e in self.wait_events],
             "calls": ([_func(f) for f in self.calls]
                       if self.calls is not None else None),
         }
@@ -258,56 +367,82 @@ class RequestProfile:
             return text
         return _fit(d, max_bytes, kw)
 
+    # (from_dict, save, load below)
+
     @classmethod
     def from_dict(cls, d):
-        """Rebuilds a profile from ``to_dict()`` output."""
+        """Rebuilds a profile from ``to_dict()`` output.
+
+        Every field is checked (types, finite numbers, sizes: see
+        ``_Reader``); anything else raises ValueError naming the field.
+        Text is cleaned like text greqprof records (greqprof/_text.py), so
+        a profile saved before that rule, or edited by hand, renders as
+        escaped text.  Unknown keys are ignored at the top level and refused
+        in records (spans, calls, ...)."""
         if not isinstance(d, dict):
             raise ValueError("a RequestProfile dict is expected, got %s"
                              % type(d).__name__)
         schema = d.get("schema")
         if schema != SCHEMA:
-            raise ValueError("unsupported profile schema %r (expected %r)"
-                             % (schema, SCHEMA))
-
-        def span(x):
-            return Span(**x) if x is not None else None
-
-        def func(x):
-            x = dict(x)
-            x.pop("tavg", None)
-            x["children"] = tuple(ChildStat(**c) for c in x.get("children", ()))
-            return FuncStat(**x)
-
-        def blocking(x):
-            x = dict(x)
-            x.pop("schema", None)
-            return BlockingEvent(**x)
-
-        w = d.get("waiting") or {}
+            raise ValueError("unsupported profile schema %s (expected %r)"
+                             % (clean(repr(schema), 80), SCHEMA))
         try:
-            return cls(
-                method=d["method"], path=d["path"], status=d.get("status"),
-                start=d["start"], end=d["end"], wall=d["wall"],
-                cpu=d.get("cpu"),
-                spans=[span(s) for s in d.get("spans", [])],
-                longest_span=span(d.get("longest_span")),
-                waiting=Waiting(seconds=w.get("seconds", 0.0),
-                                complete=w.get("complete", True),
-                                top=tuple(WaitedOn(**t)
-                                          for t in w.get("top", []))),
-                calls=([func(f) for f in d["calls"]]
-                       if d.get("calls") is not None else None),
-                dropped_spans=d.get("dropped_spans", 0),
-                dropped_calls=d.get("dropped_calls", 0),
-                greenlets=[GreenletStat(**g) for g in d.get("greenlets", [])],
-                blocking=[blocking(b) for b in d.get("blocking", [])],
-                clock=d.get("clock", "cpu"),
-                sampled_by=d.get("sampled_by", "pct"),
-                request_id=d.get("request_id"),
-                pid=d.get("pid", 0), hostname=d.get("hostname", ""),
-                error=d.get("error"))
-        except (KeyError, TypeError) as e:
-            raise ValueError("malformed RequestProfile dict: %s" % e) from e
+            return cls._from_dict(d)
+        except ValueError as e:
+            raise ValueError("malformed RequestProfile dict: %s" % e) \
+                from None
+
+    @classmethod
+    def _from_dict(cls, d):
+        r = _Reader()
+        span = r.span
+        w = r.dict(d, "waiting", "waiting", optional=True) or {}
+        calls = r.list(d, "calls", "calls", optional=True)
+        return cls(
+            method=r.text(d, "method", "method"),
+            path=r.text(d, "path", "path"),
+            status=r.text(d, "status", "status", optional=True),
+            start=r.time(d, "start", "start"),
+            end=r.time(d, "end", "end"),
+            wall=r.seconds(d, "wall", "wall"),
+            cpu=r.seconds(d, "cpu", "cpu", optional=True),
+            spans=[span(x, "spans[%d]" % i) for i, x in
+                   enumerate(r.list(d, "spans", "spans", default=[]))],
+            longest_span=(span(d["longest_span"], "longest_span")
+                          if d.get("longest_span") is not None else None),
+            waiting=Waiting(
+                seconds=r.seconds(w, "seconds", "waiting.seconds",
+                                  default=0.0),
+                complete=r.bool(w, "complete", "waiting.complete",
+                                default=True),
+                top=tuple(r.waited(x, "waiting.top[%d]" % i) for i, x in
+                          enumerate(r.list(w, "top", "waiting.top",
+                                           default=[])))),
+            calls=([r.func(x, "calls[%d]" % i) for i, x in enumerate(calls)]
+                   if calls is not None else None),
+            dropped_spans=r.count(d, "dropped_spans", "dropped_spans",
+                                  default=0),
+            dropped_calls=r.count(d, "dropped_calls", "dropped_calls",
+                                  default=0),
+            greenlets=[r.greenlet(x, "greenlets[%d]" % i) for i, x in
+                       enumerate(r.list(d, "greenlets", "greenlets",
+                                        default=[]))],
+            blocking=[r.blocking(x, "blocking[%d]" % i) for i, x in
+                      enumerate(r.list(d, "blocking", "blocking",
+                                       default=[]))],
+            clock=r.text(d, "clock", "clock", default="cpu"),
+            sampled_by=r.text(d, "sampled_by", "sampled_by", default="pct"),
+            request_id=r.text(d, "request_id", "request_id", optional=True),
+            pid=r.count(d, "pid", "pid", default=0),
+            hostname=r.text(d, "hostname", "hostname", default=""),
+            error=r.text(d, "error", "error", optional=True),
+            waits=[r.wait_site(x, "waits[%d]" % i) for i, x in
+                   enumerate(r.list(d, "waits", "waits", default=[]))],
+            dropped_waits=r.count(d, "dropped_waits", "dropped_waits",
+                                  default=0),
+            wait_events=[r.wait_event(x, "wait_events[%d]" % i) for i, x in
+                         enumerate(r.list(d, "wait_events", "wait_events",
+                                          default=[]))])
 
     def save(self, path):
         with open(path, "w", encoding="utf-8") as f:
@@ -315,10 +450,243 @@ class RequestProfile:
 
     @classmethod
     def load(cls, path):
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """The profile saved at ``path`` (ValueError for a file that is not
+        one: not UTF-8, not JSON, too large, too deeply nested, a field of
+        the wrong type...; OSError when it cannot be read)."""
+        return cls.from_dict(read_json(path))
 
     def report(self, **kw):
         """The text report (``>>> Begin RequestProfile`` ...)."""
         from .report import render_text
         return render_text(self, **kw)
+
+
+class _Reader:
+    """Typed access to the fields of a profile dict; every failure is a
+    ValueError naming the field (``where``)."""
+
+    @staticmethod
+    def _get(d, key, where, optional, default):
+        if key not in d:
+            if optional or default is not _REQUIRED:
+                return _MISSING
+            raise ValueError("%s is missing" % where)
+        v = d[key]
+        if v is None:
+            if optional:
+                return None
+            raise ValueError("%s is null" % where)
+        return v
+
+    def text(self, d, key, where, optional=False, default=_REQUIRED_DEFAULT,
+             lines=False):
+        v = self._get(d, key, where, optional, default)
+        if v is _MISSING:
+            return None if default is _REQUIRED else default
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise ValueError("%s: text expected, got %s"
+                             % (where, type(v).__name__))
+        if len(v) > MAX_TEXT:
+            raise ValueError("%s: longer than %d characters"
+                             % (where, MAX_TEXT))
+        return clean_lines(v) if lines else clean(v)
+
+    def _number(self, d, key, where, optional, default, lo, hi):
+        v = self._get(d, key, where, optional, default)
+        if v is _MISSING:
+            return None if default is _REQUIRED else default
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("%s: a number expected, got %s"
+                             % (where, type(v).__name__))
+        try:
+            x = float(v)
+        except OverflowError:
+            x = math.inf
+        if not (lo <= x <= hi):
+            raise ValueError("%s: %s is out of range (%g to %g)"
+                             % (where, clean(repr(v), 40), lo, hi))
+        return x
+
+    def time(self, d, key, where, optional=False, default=_REQUIRED_DEFAULT):
+        return self._number(d, key, where, optional, default, 0.0, MAX_EPOCH)
+
+    def seconds(self, d, key, where, optional=False,
+                default=_REQUIRED_DEFAULT):
+        return self._number(d, key, where, optional, default, -MAX_SECONDS,
+                            MAX_SECONDS)
+
+    def count(self, d, key, where, optional=False,
+              default=_REQUIRED_DEFAULT):
+        v = self._get(d, key, where, optional, default)
+        if v is _MISSING:
+            return None if default is _REQUIRED else default
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or \
+                not 0 <= v <= MAX_INT:
+            raise ValueError("%s: an integer from 0 to 2**63-1 expected, "
+                             "got %s" % (where, clean(repr(v), 40)))
+        return v
+
+    def bool(self, d, key, where, optional=False, default=_REQUIRED_DEFAULT):
+        v = self._get(d, key, where, optional, default)
+        if v is _MISSING:
+            return None if default is _REQUIRED else default
+        if not isinstance(v, bool):
+            raise ValueError("%s: true or false expected, got %s"
+                             % (where, clean(repr(v), 40)))
+        return v
+
+    def list(self, d, key, where, optional=False, default=_REQUIRED_DEFAULT):
+        v = self._get(d, key, where, optional, default)
+        if v is _MISSING:
+            return None if default is _REQUIRED else default
+        if v is None:
+            return None
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("%s: a list expected, got %s"
+                             % (where, type(v).__name__))
+        if len(v) > MAX_ITEMS:
+            raise ValueError("%s: more than %d items" % (where, MAX_ITEMS))
+        return v
+
+    def dict(self, d, key, where, optional=False, default=_REQUIRED_DEFAULT):
+        v = self._get(d, key, where, optional, default)
+        if v is _MISSING or v is None:
+            return None
+        return self.obj(v, where)
+
+    @staticmethod
+    def obj(x, where, fields=None):
+        if not isinstance(x, dict):
+            raise ValueError("%s: an object expected, got %s"
+                             % (where, type(x).__name__))
+        if fields is not None:
+            for k in x:
+                if k not in fields:
+                    raise ValueError("%s: unknown field %s"
+                                     % (where, clean(repr(k), 60)))
+        return x
+
+    def span(self, x, where):
+        x = self.obj(x, where, _SPAN_FIELDS)
+        w = where + "."
+        return Span(
+            self.count(x, "greenlet_id", w + "greenlet_id"),
+            self.text(x, "greenlet_name", w + "greenlet_name"),
+            self.text(x, "fn_name", w + "fn_name"),
+            self.time(x, "start", w + "start"),
+            self.time(x, "end", w + "end"),
+            self.seconds(x, "wall", w + "wall"),
+            self.seconds(x, "cpu", w + "cpu", optional=True),
+            self.bool(x, "finished", w + "finished"),
+            self.text(x, "stack", w + "stack", optional=True, lines=True),
+            self.bool(x, "long", w + "long", default=False))
+
+    def waited(self, x, where):
+        x = self.obj(x, where, _WAITED_FIELDS)
+        w = where + "."
+        return WaitedOn(
+            greenlet_id=self.count(x, "greenlet_id", w + "greenlet_id"),
+            name=self.text(x, "name", w + "name"),
+            fn_name=self.text(x, "fn_name", w + "fn_name"),
+            seconds=self.seconds(x, "seconds", w + "seconds"))
+
+    def wait_site(self, x, where):
+        x = self.obj(x, where, _WAIT_SITE_FIELDS)
+        w = where + "."
+        stack = self.list(x, "stack", w + "stack", default=[])
+        return WaitSite(
+            fn_name=self.text(x, "fn_name", w + "fn_name"),
+            filename=self.text(x, "filename", w + "filename"),
+            lineno=self.count(x, "lineno", w + "lineno"),
+            stack=tuple(self.text({"s": f}, "s", "%sstack[%d]" % (w, n))
+                        for n, f in enumerate(stack)),
+            seconds=self.seconds(x, "seconds", w + "seconds"),
+            count=self.count(x, "count", w + "count"),
+            greenlets=self.count(x, "greenlets", w + "greenlets"))
+
+    def wait_event(self, x, where):
+        x = self.obj(x, where, _WAIT_EVENT_FIELDS)
+        w = where + "."
+        return WaitEvent(
+            greenlet_id=self.count(x, "greenlet_id", w + "greenlet_id"),
+            start=self.time(x, "start", w + "start"),
+            end=self.time(x, "end", w + "end"),
+            site=self.count(x, "site", w + "site"))
+
+    def greenlet(self, x, where):
+        x = self.obj(x, where, _GREENLET_FIELDS)
+        w = where + "."
+        return GreenletStat(
+            id=self.count(x, "id", w + "id"),
+            name=self.text(x, "name", w + "name"),
+            fn_name=self.text(x, "fn_name", w + "fn_name"),
+            cpu=self.seconds(x, "cpu", w + "cpu", optional=True),
+            wall=self.seconds(x, "wall", w + "wall"),
+            switches=self.count(x, "switches", w + "switches"),
+            finished=self.bool(x, "finished", w + "finished",
+                               default=False))
+
+    def blocking(self, x, where):
+        x = self.obj(x, where, _BLOCKING_FIELDS)
+        w = where + "."
+        return BlockingEvent(
+            greenlet_id=self.count(x, "greenlet_id", w + "greenlet_id"),
+            greenlet_name=self.text(x, "greenlet_name", w + "greenlet_name"),
+            fn_name=self.text(x, "fn_name", w + "fn_name"),
+            start=self.time(x, "start", w + "start"),
+            end=self.time(x, "end", w + "end"),
+            wall=self.seconds(x, "wall", w + "wall"),
+            cpu=self.seconds(x, "cpu", w + "cpu", optional=True),
+            stack=self.text(x, "stack", w + "stack", optional=True,
+                            lines=True),
+            sampled_stack=self.text(x, "sampled_stack", w + "sampled_stack",
+                                    optional=True, lines=True),
+            method=self.text(x, "method", w + "method", optional=True),
+            path=self.text(x, "path", w + "path", optional=True),
+            request_id=self.text(x, "request_id", w + "request_id",
+                                 optional=True),
+            pid=self.count(x, "pid", w + "pid", default=0),
+            hostname=self.text(x, "hostname", w + "hostname", default=""))
+
+    def _stat_fields(self, x, w):
+        return dict(
+            name=self.text(x, "name", w + "name"),
+            qualname=self.text(x, "qualname", w + "qualname"),
+            module=self.text(x, "module", w + "module"),
+            filename=self.text(x, "filename", w + "filename", default=""),
+            lineno=self.count(x, "lineno", w + "lineno"),
+            ncall=self.count(x, "ncall", w + "ncall"),
+            nactualcall=self.count(x, "nactualcall", w + "nactualcall"),
+            ttot=self.seconds(x, "ttot", w + "ttot"),
+            tsub=self.seconds(x, "tsub", w + "tsub"))
+
+    def func(self, x, where):
+        x = self.obj(x, where, _FUNC_FIELDS)
+        w = where + "."
+        kids = self.list(x, "children", w + "children", default=[])
+        return FuncStat(children=tuple(
+            ChildStat(**self._stat_fields(self.obj(c, "%schildren[%d]"
+                                                   % (w, i), _CHILD_FIELDS),
+                                          "%schildren[%d]." % (w, i)))
+            for i, c in enumerate(kids)), **self._stat_fields(x, w))
+
+
+def _fields(cls, *extra):
+    return frozenset(cls.__dataclass_fields__) | frozenset(extra)
+
+
+# (keys to_dict writes for each record: anything else is refused)
+_SPAN_FIELDS = _fields(Span)
+_WAITED_FIELDS = _fields(WaitedOn)
+_WAIT_SITE_FIELDS = _fields(WaitSite)
+_WAIT_EVENT_FIELDS = _fields(WaitEvent)
+_GREENLET_FIELDS = _fields(GreenletStat)
+_BLOCKING_FIELDS = _fields(BlockingEvent, "schema")
+_FUNC_FIELDS = _fields(FuncStat, "tavg")
+_CHILD_FIELDS = _fields(ChildStat)

@@ -111,6 +111,33 @@ GQP__HIDDEN uint32_t gqp__calls_func(gqp__calls *c, uint64_t key, bool *added);
 GQP__HIDDEN uint32_t gqp__calls_edge(gqp__calls *c, uint32_t caller,
                                      uint32_t callee);
 
+/* ---- wait sites (profile.c) ----------------------------------------- */
+typedef struct gqp__waits {
+    gqp__map index;        /* site key -> index + 1 */
+    gqp_wait_stat *sites;
+    size_t len, alloc, max;
+    gqp__map seen;         /* greenlet id << 20 | (index + 1): the
+                              (greenlet, site) pairs charged, for
+                              `greenlets`; at most GQP__WAIT_PAIRS */
+    uint64_t dropped;
+    gqp_wait_event *events;
+    size_t nev, ev_alloc, max_events;
+    uint64_t events_dropped;
+} gqp__waits;
+
+#define GQP__WAIT_PAIRS 65536
+#define GQP__WAIT_MAX_SITES (1 << 20) /* (the index fits 20 bits) */
+
+/* Index of site in p's table (*added when new); GQP__NOIDX when the table
+ * is full (counted) or with *nomem set when memory ran out (nothing
+ * changed). */
+GQP__HIDDEN uint32_t gqp__profile_wait_site(gqp_profile *p, uint64_t site,
+                                            bool *added, bool *nomem);
+/* Charges the wait of greenlet id from start to end to site index i. */
+GQP__HIDDEN void gqp__profile_wait_charge(gqp_profile *p, uint32_t i,
+                                          uint64_t id, int64_t start,
+                                          int64_t end);
+
 /* ---- profiles (profile.c) -------------------------------------------- */
 typedef struct gqp__gstat {
     gqp_greenlet_stat pub;
@@ -135,6 +162,7 @@ struct gqp_profile {
     gqp__gstat *gstats;
     size_t ngstats, gstats_alloc, max_greenlets;
     uint64_t greenlets_dropped;
+    gqp__waits waits;
     int64_t epoch_origin; /* epoch ns at creation */
     int64_t wall_origin;  /* monotonic ns at creation */
 };

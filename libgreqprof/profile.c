@@ -43,6 +43,10 @@ GQP_API int gqp_profile_new(gqp_profile **out)
     gqp__spans_init(&p->spans, 10000, GQP_KEEP_FIRST);
     gqp__calls_init(&p->calls);
     gqp__map_init(&p->gindex);
+    gqp__map_init(&p->waits.index);
+    gqp__map_init(&p->waits.seen);
+    p->waits.max = 256;
+    p->waits.max_events = 1024;
     p->epoch_origin = gqp_clock_epoch_ns();
     p->wall_origin = gqp_clock_wall_ns();
     *out = p;
@@ -88,6 +92,14 @@ GQP_API int gqp_profile_set(gqp_profile *p, gqp_profile_param param,
         if (value > 65536) return GQP_ERANGE;
         p->max_name = (size_t)value;
         return GQP_OK;
+    case GQP_PROFILE_MAX_WAIT_SITES:
+        if (value > GQP__WAIT_MAX_SITES) return GQP_ERANGE;
+        p->waits.max = (size_t)value;
+        return GQP_OK;
+    case GQP_PROFILE_MAX_WAIT_EVENTS:
+        if (value > (int64_t)1 << 24) return GQP_ERANGE;
+        p->waits.max_events = (size_t)value;
+        return GQP_OK;
     }
     return GQP_EINVAL;
 }
@@ -108,6 +120,8 @@ GQP_API int gqp_profile_get(const gqp_profile *p, gqp_profile_param param,
     case GQP_PROFILE_MAX_EDGES: *value = (int64_t)p->calls.max_edges; return GQP_OK;
     case GQP_PROFILE_MAX_GREENLETS: *value = (int64_t)p->max_greenlets; return GQP_OK;
     case GQP_PROFILE_MAX_NAME: *value = (int64_t)p->max_name; return GQP_OK;
+    case GQP_PROFILE_MAX_WAIT_SITES: *value = (int64_t)p->waits.max; return GQP_OK;
+    case GQP_PROFILE_MAX_WAIT_EVENTS: *value = (int64_t)p->waits.max_events; return GQP_OK;
     }
     return GQP_EINVAL;
 }
@@ -146,6 +160,10 @@ GQP_API void gqp_profile_free(gqp_profile *p)
     free_gstats(p);
     gqp__free(p->gstats);
     gqp__map_free(&p->gindex);
+    gqp__map_free(&p->waits.index);
+    gqp__map_free(&p->waits.seen);
+    gqp__free(p->waits.sites);
+    gqp__free(p->waits.events);
     p->magic = GQP__DEAD_MAGIC;
     gqp__free(p);
 }
@@ -188,6 +206,12 @@ GQP_API int gqp_profile_clear(gqp_profile *p)
     free_gstats(p);
     gqp__map_clear(&p->gindex);
     p->greenlets_dropped = 0;
+    gqp__map_clear(&p->waits.index);
+    gqp__map_clear(&p->waits.seen);
+    p->waits.len = 0;
+    p->waits.dropped = 0;
+    p->waits.nev = 0;
+    p->waits.events_dropped = 0;
     p->has_data = false;
     return GQP_OK;
 }
@@ -495,4 +519,162 @@ GQP_API int64_t gqp_profile_epoch_origin(const gqp_profile *p)
 GQP_API int64_t gqp_profile_wall_origin(const gqp_profile *p)
 {
     return gqp__profile_live(p) ? p->wall_origin : 0;
+}
+
+/* ---- wait sites ------------------------------------------------------- */
+
+uint32_t gqp__profile_wait_site(gqp_profile *p, uint64_t site, bool *added,
+                                bool *nomem)
+{
+    gqp__waits *w = &p->waits;
+    *added = false;
+    *nomem = false;
+    p->has_data = true;
+    uint64_t *v = gqp__map_get(&w->index, site);
+    if (v) {
+        return (uint32_t)(*v - 1);
+    }
+    if (w->len >= w->max) {
+        w->dropped++;
+        return GQP__NOIDX;
+    }
+    if (w->len == w->alloc) {
+        size_t n = w->alloc ? w->alloc * 2 : 8;
+        if (n > w->max) {
+            n = w->max;
+        }
+        gqp_wait_stat *ns = gqp__realloc(w->sites, n * sizeof *ns);
+        if (!ns) {
+            *nomem = true;
+            return GQP__NOIDX;
+        }
+        w->sites = ns;
+        w->alloc = n;
+    }
+    bool fresh;
+    v = gqp__map_put(&w->index, site, &fresh);
+    if (!v) {
+        *nomem = true;
+        return GQP__NOIDX;
+    }
+    *v = w->len + 1;
+    gqp_wait_stat *s = &w->sites[w->len];
+    memset(s, 0, sizeof *s);
+    s->site = site;
+    *added = true;
+    return (uint32_t)w->len++;
+}
+
+/* Appends a wait event (the first max_events; the rest are counted). */
+static void wait_event(gqp__waits *w, uint32_t i, uint64_t id, int64_t start,
+                       int64_t end)
+{
+    if (w->nev == w->ev_alloc) {
+        size_t n = w->ev_alloc ? w->ev_alloc * 2 : 16;
+        if (n > w->max_events) {
+            n = w->max_events;
+        }
+        gqp_wait_event *ne = n > w->ev_alloc
+            ? gqp__realloc(w->events, n * sizeof *ne) : NULL;
+        if (!ne) {
+            w->events_dropped++; /* full, or out of memory */
+            return;
+        }
+        w->events = ne;
+        w->ev_alloc = n;
+    }
+    gqp_wait_event *e = &w->events[w->nev++];
+    e->greenlet_id = id;
+    e->start_ns = start;
+    e->end_ns = end;
+    e->site = i;
+    e->reserved = 0;
+}
+
+void gqp__profile_wait_charge(gqp_profile *p, uint32_t i, uint64_t id,
+                              int64_t start, int64_t end)
+{
+    gqp__waits *w = &p->waits;
+    if (i >= w->len) {
+        return;
+    }
+    int64_t ns = end - start;
+    wait_event(w, i, id, start, end > start ? end : start);
+    gqp_wait_stat *s = &w->sites[i];
+    s->wait_ns += ns > 0 ? ns : 0;
+    s->count++;
+    /* Greenlet ids come from a process-wide counter: they fit 44 bits. */
+    uint64_t pair = (id << 20) | ((uint64_t)i + 1);
+    if (gqp__map_get(&w->seen, pair) || w->seen.len >= GQP__WAIT_PAIRS) {
+        return;
+    }
+    bool fresh;
+    if (gqp__map_put(&w->seen, pair, &fresh)) {
+        s->greenlets++;
+    }
+    /* (out of memory: this greenlet goes uncounted in `greenlets`) */
+}
+
+GQP_API size_t gqp_profile_wait_count(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->waits.len : 0;
+}
+
+GQP_API int gqp_profile_wait(const gqp_profile *p, size_t i,
+                             gqp_wait_stat *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (i >= p->waits.len) {
+        return GQP_ERANGE;
+    }
+    *out = p->waits.sites[i];
+    return GQP_OK;
+}
+
+GQP_API int gqp_profile_wait_set_tag(gqp_profile *p, size_t i, uint32_t tag)
+{
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (i >= p->waits.len) {
+        return GQP_ERANGE;
+    }
+    p->waits.sites[i].tag = tag;
+    return GQP_OK;
+}
+
+GQP_API uint64_t gqp_profile_waits_dropped(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->waits.dropped : 0;
+}
+
+GQP_API size_t gqp_profile_wait_event_count(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->waits.nev : 0;
+}
+
+GQP_API int gqp_profile_wait_event(const gqp_profile *p, size_t i,
+                                   gqp_wait_event *out)
+{
+    if (!out) {
+        return GQP_EINVAL;
+    }
+    if (!gqp__profile_live(p)) {
+        return p ? GQP_EHANDLE : GQP_EINVAL;
+    }
+    if (i >= p->waits.nev) {
+        return GQP_ERANGE;
+    }
+    *out = p->waits.events[i];
+    return GQP_OK;
+}
+
+GQP_API uint64_t gqp_profile_wait_events_dropped(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? p->waits.events_dropped : 0;
 }

@@ -39,6 +39,13 @@ typedef struct gqp__greenlet {
     uint32_t lost;          /* frames above max_depth, not stored */
     bool continued;         /* the running span began at a split */
     uint32_t gstat_hint;    /* index of its totals in its profile */
+    /* A wait: switched out at wait_start while attached to `profile` (of
+     * generation wait_gen), at its wait site wait_site (NOIDX until the
+     * caller says, gqp_tracer_wait_at).  Cleared when its profile changes. */
+    bool wait_pending;
+    uint32_t wait_site;
+    int64_t wait_start;
+    uint64_t wait_gen;
     gqp__map rec;           /* active count per func / edge (recursion) */
     struct gqp__greenlet *next_free;
 } gqp__greenlet;
@@ -160,6 +167,7 @@ static void set_profile(gqp__greenlet *g, gqp_profile *p)
     if (p == g->profile) {
         return;
     }
+    g->wait_pending = false; /* a wait is charged only where it began */
     if (p) {
         gqp_profile_retain(p);
         atomic_fetch_add(&p->attached, 1);
@@ -643,6 +651,34 @@ static void start_span(gqp_tracer *t, gqp__greenlet *g, int64_t now,
     atomic_store_explicit(&t->running_id, g->id, memory_order_relaxed);
 }
 
+/* Ends g's pending wait at `now`, charging it to its site when g is
+ * still in the profile (and generation) it waited in. */
+static void end_wait(gqp__greenlet *g, int64_t now)
+{
+    gqp_profile *p = g->profile;
+    g->wait_pending = false;
+    if (p && !p->closed && p->generation == g->wait_gen &&
+        g->wait_site != GQP__NOIDX) {
+        gqp__profile_wait_charge(p, g->wait_site, g->id, g->wait_start,
+                                 now);
+    }
+}
+
+/* g switches out alive at `now`: a wait begins when g is attached to an
+ * open profile that accounts waits.  Returns GQP_EV_WAIT then. */
+static inline int begin_wait(gqp__greenlet *g, int64_t now)
+{
+    gqp_profile *p = g->profile;
+    if (!p || p->closed || p->waits.max == 0) {
+        return 0;
+    }
+    g->wait_pending = true;
+    g->wait_site = GQP__NOIDX;
+    g->wait_start = now;
+    g->wait_gen = p->generation;
+    return GQP_EV_WAIT;
+}
+
 static inline int64_t span_clock(gqp_tracer *t, int64_t now)
 {
     if (t->cpu_mode == GQP_CPU_OFF) {
@@ -681,6 +717,8 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
                 unwind(t, g, p, gclock_paused(t, g, now));
             }
             destroy(t, g);
+        } else {
+            ev |= begin_wait(g, now);
         }
     } else if (g && (flags & GQP_SWITCH_FROM_DEAD)) {
         destroy(t, g);
@@ -694,6 +732,8 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
             return ev | GQP_EV_DROPPED;
         }
         ev |= GQP_EV_NEW_GREENLET;
+    } else if (n->wait_pending) {
+        end_wait(n, now);
     }
     start_span(t, n, now, L);
     if (from == 0) {
@@ -1131,6 +1171,9 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags)
             continue;
         }
         gqp__greenlet *g = (gqp__greenlet *)(uintptr_t)t->gmap.vals[i];
+        if (g->wait_pending) {
+            end_wait(g, now);
+        }
         gqp_profile *p = effective(t, g);
         if (p && g->depth) {
             /* close_span already moved the running greenlet's clock on. */
@@ -1141,6 +1184,41 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags)
     t->cur = NULL;
     atomic_store_explicit(&t->running_id, 0, memory_order_relaxed);
     return GQP_OK;
+}
+
+GQP_API int gqp_tracer_wait_at(gqp_tracer *t, uint64_t greenlet,
+                               uint64_t site, gqp_profile **profile,
+                               size_t *index)
+{
+    CHECK_TRACER(t);
+    if (greenlet == 0 || site == 0) {
+        return GQP_EINVAL;
+    }
+    gqp__greenlet *g = lookup(t, greenlet);
+    if (!g || !g->wait_pending) {
+        return GQP_ENOTFOUND;
+    }
+    gqp_profile *p = g->profile;
+    if (!p || p->closed || p->generation != g->wait_gen) {
+        g->wait_pending = false;
+        return GQP_ENOTFOUND;
+    }
+    bool added, nomem;
+    uint32_t i = gqp__profile_wait_site(p, site, &added, &nomem);
+    if (nomem) {
+        return GQP_ENOMEM; /* (the wait stays pending, at no site) */
+    }
+    g->wait_site = i;
+    if (i == GQP__NOIDX) {
+        return GQP_EV_DROPPED;
+    }
+    if (profile) {
+        *profile = p;
+    }
+    if (index) {
+        *index = i;
+    }
+    return added ? GQP_EV_NEW_SITE : 0;
 }
 
 GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t)

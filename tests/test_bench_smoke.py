@@ -3,6 +3,7 @@ here (timings are never asserted in tests), but they must keep working and
 their recorded-event checks must hold."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def test_server_instructions_counts_a_real_server():
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "server_instructions.py"),
          "bare", "gqp-100pct", "--connections", "4", "--requests", "32",
-         "--warmup", "16", "--top", "40"],
+         "--warmup", "16", "--top", "100"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {line.split()[0]: line.split()[1:]
@@ -44,7 +45,10 @@ def test_server_instructions_counts_a_real_server():
             if line.startswith(("bare ", "gqp-100pct "))}
     assert int(rows["bare"][0]) > 0
     assert int(rows["gqp-100pct"][1]) > 0, proc.stdout
-    assert "gqp_tracer_switch" in proc.stdout, proc.stdout
+    # A function of libgreqprof's among those that grew most.  (Which one
+    # ranks highest depends on the interpreter: on 3.10 the app's own
+    # Python costs more and pushes gqp_tracer_switch down the list.)
+    assert re.search(r"^gqp_\w+\s+\+\d", proc.stdout, re.M), proc.stdout
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None,

@@ -127,8 +127,11 @@ def test_host_header_defeats_dns_rebinding(host, code):
 
 
 def test_ui_allow():
-    mw = make(ui_allow=["10.0.0.0/8", "192.168.1.9"])
+    mw = make(ui_allow=["10.0.0.0/8", "192.168.1.9"], ui_hosts=["dev"])
     assert call(mw, UI + "/", addr="10.1.2.3", host="dev:8000").code == 200
+    # the Host check stays on (DNS rebinding): only loopback and ui_hosts
+    assert call(mw, UI + "/", addr="10.1.2.3", host="evil.example").code \
+        == 403
     assert call(mw, UI + "/", addr="192.168.1.9").code == 200
     assert call(mw, UI + "/", addr="192.168.1.10").code == 403
     assert call(mw, UI + "/", addr="::ffff:10.9.9.9").code == 200
@@ -137,7 +140,7 @@ def test_ui_allow():
 
 def test_ui_token():
     tok = "s3cret-token-value"
-    mw = make(ui_token=tok)
+    mw = make(ui_token=tok, ui_hosts=["dev.example"])
     assert call(mw, UI + "/").code == 403
     assert call(mw, UI + "/", query="token=wrong").code == 403
     assert call(mw, UI + "/", headers={"X-Greqprof-Token": tok[:-1]}).code \
@@ -145,6 +148,8 @@ def test_ui_token():
     r = call(mw, UI + "/", query="token=" + tok, addr="10.1.2.3",
              host="dev.example")
     assert r.code == 200
+    assert call(mw, UI + "/", query="token=" + tok, addr="10.1.2.3",
+                host="evil.example").code == 403
     assert call(mw, UI + "/", headers={"X-Greqprof-Token": tok},
                 addr="10.1.2.3").code == 200
     # links keep the token for browser use
@@ -165,6 +170,7 @@ def test_ui_token():
     ({"ui_token": "short"}, "ui_token"),
     ({"ui_allow": ["not-an-ip"]}, "ui_allow"),
     ({"ui_path": None, "ui_token": "long-enough"}, "ui_token need ui_path"),
+    ({"ui_path": None, "ui_hosts": ["dev"]}, "ui_hosts and ui_token need"),
     ({"formats": ["json"]}, "formats needs profile_dir"),
 ])
 def test_config_errors(kw, option):

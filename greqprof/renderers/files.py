@@ -49,7 +49,7 @@ class ProfileWriter:
         directory = os.fspath(directory)
         try:
             os.makedirs(directory, exist_ok=True)
-        except OSError as e:
+        except (OSError, ValueError) as e:   # (ValueError: a NUL byte)
             raise ConfigError("profile_dir %r cannot be created: %s"
                               % (directory, e)) from None
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK):

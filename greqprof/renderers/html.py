@@ -16,6 +16,7 @@ import json
 import os
 import re
 
+from .._text import clean
 from .base import Renderer
 
 #: spans drawn at most (a whole-process profile can hold 100000)
@@ -164,6 +165,31 @@ def page_data(v, max_spans=MAX_SPANS):
                        "sampled_stack": b.sampled_stack}
                       for b in r.blocking] if r else []),
         "calls": calls,
+        **_wait_data(v, row_of, t0),
+    }
+
+
+#: wait events drawn at most on the timeline
+MAX_WAIT_EVENTS = 5000
+
+
+def _wait_data(v, row_of, t0):
+    """The request's wait sites (the table) and its waits one by one
+    (drawn on the greenlets' rows: [row, t0, t1, site])."""
+    r = v.request
+    if r is None or v.kind != "request":
+        return {"waits": [], "wait_events": [], "dropped_waits": 0}
+    return {
+        "waits": [{"fn": w.fn_name, "file": w.filename, "line": w.lineno,
+                   "stack": list(w.stack), "seconds": w.seconds,
+                   "count": w.count, "greenlets": w.greenlets}
+                  for w in r.waits],
+        "wait_events": [[row_of[e.greenlet_id], e.start - t0, e.end - t0,
+                         e.site]
+                        for e in r.wait_events[:MAX_WAIT_EVENTS]
+                        if e.greenlet_id in row_of
+                        and 0 <= e.site < len(r.waits)],
+        "dropped_waits": r.dropped_waits,
     }
 
 
@@ -195,7 +221,7 @@ class HtmlRenderer(Renderer):
         csp = content_security_policy(scripts=[js], styles=[css])
         text = fill(asset("timeline.html"), {
             "CSP": html.escape(csp, quote=True),
-            "TITLE": html.escape("greqprof: %s" % v.title[:200]),
+            "TITLE": html.escape("greqprof: %s" % clean(v.title[:200])),
             "CSS": css, "JS": js, "NAV": nav_html(nav),
             "DATA": script_json(page_data(v)),
         })

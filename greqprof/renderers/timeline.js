@@ -41,6 +41,22 @@
     return parts.length > 3 && p.length > 40 ? "\u2026/" + parts.slice(-2).join("/") : (p || "");
   }
   function fnLabel(f) { return f.module ? f.module + "." + f.qualname : f.qualname; }
+  function siteLabel(i) {
+    var w = data.waits[i];
+    return w.fn + " (" + shortPath(w.file) + ":" + w.line + ")";
+  }
+  /* indexes of the wait sites whose waits overlap [t0, t1], longest
+   * overlap first */
+  function sitesDuring(t0, t1) {
+    var by = {};
+    (data.wait_events || []).forEach(function (e) {
+      var o = Math.min(t1, e[2]) - Math.max(t0, e[1]);
+      if (o > 0) { by[e[3]] = (by[e[3]] || 0) + o; }
+    });
+    return Object.keys(by).map(Number).sort(function (a, b) {
+      return by[b] - by[a] || a - b;
+    });
+  }
 
   var S = data.summary;
   var dur = data.duration > 0 ? data.duration : 1e-6;
@@ -99,6 +115,9 @@
                                             : "span: a greenlet ran");
   if (data.kind === "request") {
     leg("gq-sw-wait", "waiting: none of them ran (other greenlets / I/O)");
+    if ((data.wait_events || []).length) {
+      leg("gq-sw-waitsite", "a greenlet waited (hover: where)");
+    }
   }
   leg("gq-sw-block", "blocking span (held the event loop)");
   if (data.truncated_spans) {
@@ -130,7 +149,14 @@
     data.waiting.forEach(function (w) {
       var wb = add(rrow, el("div", "gq-wait"));
       place(wb, w[0], w[1]);
-      wb.title = "waiting " + ms(w[1] - w[0]);
+      /* where the request's greenlets were waiting meanwhile */
+      var at = sitesDuring(w[0], w[1]);
+      wb.title = "waiting " + ms(w[1] - w[0]) + (at.length ? "\nat " +
+        at.map(siteLabel).join("\nat ") : "");
+      if (at.length) {
+        wb.setAttribute("data-sites", at.join(" "));
+        add(wb, el("span", "gq-wait-at", data.waits[at[0]].fn));
+      }
     });
   }
 
@@ -145,6 +171,14 @@
     var row = add(canvas, el("div", "gq-row gq-row-greenlet"));
     row.setAttribute("data-gid", String(r.gid));
     rowEls.push(row);
+  });
+
+  /* each greenlet's waits, on its row, with the site it waited at */
+  (data.wait_events || []).forEach(function (e) {
+    var b = add(rowEls[e[0]], el("div", "gq-waitsite"));
+    place(b, e[1], e[2]);
+    b.setAttribute("data-site", String(e[3]));
+    b.title = "waited " + ms(e[2] - e[1]) + " at " + siteLabel(e[3]);
   });
 
   var spanEls = [];
@@ -251,6 +285,40 @@
         add(box, el("div", "gq-note", "Where it switched out:"));
         add(box, el("pre", "gq-stack", b.stack));
       }
+    });
+  }
+  if (data.kind === "request" && (data.waits || []).length) {
+    add(app, el("h2", null, "Where the request waited (" + data.waits.length + " sites)"));
+    add(app, el("p", "gq-note", "Time from each switch-out of the request's greenlets " +
+      "until they ran again, by the code they switched out in. Click a row for its stack." +
+      (data.dropped_waits ? " " + data.dropped_waits +
+       " waits at further sites were not recorded (table full)." : "")));
+    var st = add(app, el("table", "gq-table gq-waits"));
+    var sh = add(add(st, el("thead")), el("tr"));
+    add(sh, el("th", "gq-num", "waited"));
+    add(sh, el("th", "gq-num", "waits"));
+    add(sh, el("th", "gq-num", "greenlets"));
+    add(sh, el("th", null, "function"));
+    add(sh, el("th", null, "location"));
+    var sb = add(st, el("tbody"));
+    data.waits.forEach(function (w, i) {
+      var tr = add(sb, el("tr", "gq-fn-row gq-wait-row"));
+      tr.setAttribute("data-site", String(i));
+      add(tr, el("td", "gq-num", ms(w.seconds)));
+      add(tr, el("td", "gq-num", String(w.count)));
+      add(tr, el("td", "gq-num", String(w.greenlets)));
+      add(tr, el("td", "gq-mono", w.fn));
+      var loc = add(tr, el("td", "gq-loc", shortPath(w.file) + ":" + w.line));
+      loc.title = w.file + ":" + w.line;
+      var sub = null;
+      tr.addEventListener("click", function () {
+        if (sub) { sb.removeChild(sub); sub = null; return; }
+        sub = el("tr", "gq-callees gq-wait-stack");
+        var td = add(sub, el("td"));
+        td.colSpan = 5;
+        add(td, el("pre", "gq-stack", w.stack.join("\n")));
+        sb.insertBefore(sub, tr.nextSibling);
+      });
     });
   }
   if (data.kind === "request" && data.waiting_top.length) {

@@ -31,6 +31,42 @@
  *   gqp_strerror, gqp_err_name and the gqp_clock_* functions are safe from any
  *   thread.  Greenlet ids come from one process-wide atomic counter, so ids
  *   are unique across tracers and threads.
+ *
+ * Misuse: what is detected and what is undefined
+ *   Detected (the call changes nothing and returns the code; never a crash):
+ *   - a NULL handle or NULL output pointer: GQP_EINVAL (counters and
+ *     origins return 0; free/release functions accept NULL and do nothing;
+ *     libgreqprof/tests/test_null.c calls every function so);
+ *   - a zero greenlet or function key, an unknown option key, a flag or
+ *     policy value outside its enum: GQP_EINVAL / GQP_ERANGE;
+ *   - an option value outside its documented range (e.g. MAX_SPANS above
+ *     2^32, a negative value): GQP_ERANGE;
+ *   - an option set after data was recorded, an operation in the wrong
+ *     state: GQP_ESTATE;
+ *   - a read index past the end: GQP_ERANGE; a greenlet the tracer does
+ *     not know: GQP_ENOTFOUND;
+ *   - a handle whose magic number is not that of a live object of its type
+ *     (a released profile or freed tracer overwrites it): GQP_EHANDLE.
+ *     This is a best-effort check for debugging, not a guarantee: reading
+ *     a freed handle is itself undefined (below), so it only catches a
+ *     stale handle whose memory was not reused yet.
+ *   - an allocation failure: GQP_ENOMEM with the object unchanged; a cap
+ *     reached: data dropped and counted (GQP_ELIMIT or a counter).
+ *   Undefined behaviour (the library cannot detect it; ASan, valgrind or a
+ *   crash may report it, or memory may be silently corrupted):
+ *   - using a handle after it was freed or its last reference released
+ *     (use after free), including through a copy of the pointer; the
+ *     GQP_EHANDLE check above reads freed memory and may pass or crash;
+ *   - freeing or releasing a handle twice (double free), or more releases
+ *     than retains;
+ *   - a pointer that never came from this library, or a corrupted one;
+ *   - concurrent use of one gqp_tracer from two threads, or reading a
+ *     gqp_profile while a tracer feeds it, without the serialisation the
+ *     "Thread safety" section asks for (data races);
+ *   - output buffers smaller than the length passed with them, strings that
+ *     are not NUL-terminated where a C string is expected;
+ *   - changing the allocator (gqp_set_allocator) while objects made by the
+ *     previous one are alive, or from several threads.
  */
 #ifndef GREQPROF_H
 #define GREQPROF_H
@@ -44,7 +80,7 @@ extern "C" {
 
 /* ---- version ---------------------------------------------------------- */
 #define GQP_VERSION_MAJOR 0
-#define GQP_VERSION_MINOR 1
+#define GQP_VERSION_MINOR 2
 #define GQP_VERSION_PATCH 0
 #define GQP_VERSION_NUMBER \
     (GQP_VERSION_MAJOR * 10000 + GQP_VERSION_MINOR * 100 + GQP_VERSION_PATCH)
@@ -138,7 +174,11 @@ typedef enum gqp_profile_param {
     GQP_PROFILE_MAX_FUNCS = 3,     /* distinct functions (default 65536)    */
     GQP_PROFILE_MAX_EDGES = 4,     /* caller->callee pairs (default 262144) */
     GQP_PROFILE_MAX_GREENLETS = 5, /* greenlet totals kept (default 65536)  */
-    GQP_PROFILE_MAX_NAME = 6       /* bytes kept of a name (default 255)    */
+    GQP_PROFILE_MAX_NAME = 6,      /* bytes kept of a name (default 255)    */
+    GQP_PROFILE_MAX_WAIT_SITES = 7, /* wait sites kept (default 256, 0 = no
+                                       wait accounting; since 0.2)        */
+    GQP_PROFILE_MAX_WAIT_EVENTS = 8 /* waits kept one by one (default 1024,
+                                       the first ones; 0 = none; 0.2)     */
 } gqp_profile_param;
 
 #define GQP_KEEP_FIRST 0
@@ -230,6 +270,46 @@ GQP_API int gqp_profile_edge(const gqp_profile *p, size_t i,
 /* Calls not recorded because a cap (functions, edges, stack depth) was hit. */
 GQP_API uint64_t gqp_profile_calls_dropped(const gqp_profile *p);
 
+/* Wait sites (since 0.2): where the profile's greenlets waited.  Each time
+ * a greenlet attached to the profile switches out, the tracer asks the
+ * caller where (GQP_EV_WAIT, gqp_tracer_wait_at); the wall time until the
+ * greenlet runs again is charged to that site when it does.  The table
+ * holds GQP_PROFILE_MAX_WAIT_SITES sites, in order of first use; waits at
+ * sites past the cap are counted in gqp_profile_waits_dropped. */
+typedef struct gqp_wait_stat {
+    uint64_t site;      /* the caller's key of the site (never 0)         */
+    int64_t wait_ns;    /* wall time from switch-outs to switch-ins       */
+    uint64_t count;     /* waits charged (switch-outs that resumed)       */
+    uint64_t greenlets; /* distinct greenlets charged (counted up to
+                           65536 (greenlet, site) pairs per profile)      */
+    uint32_t tag;       /* caller data (e.g. a stack id), 0 = none        */
+    uint32_t reserved;
+} gqp_wait_stat;
+
+GQP_API size_t gqp_profile_wait_count(const gqp_profile *p);
+GQP_API int gqp_profile_wait(const gqp_profile *p, size_t i,
+                             gqp_wait_stat *out);
+/* Tag the i-th site (e.g. with the id of its formatted stack). */
+GQP_API int gqp_profile_wait_set_tag(gqp_profile *p, size_t i, uint32_t tag);
+/* Switch-outs not recorded because the site table was full. */
+GQP_API uint64_t gqp_profile_waits_dropped(const gqp_profile *p);
+
+/* The waits one by one, in the order they ended (the first
+ * GQP_PROFILE_MAX_WAIT_EVENTS; the others are counted): when each greenlet
+ * waited, and where. */
+typedef struct gqp_wait_event {
+    uint64_t greenlet_id;
+    int64_t start_ns;   /* switch-out (wall clock)                        */
+    int64_t end_ns;     /* switch-in                                      */
+    uint32_t site;      /* index of its site (gqp_profile_wait)           */
+    uint32_t reserved;
+} gqp_wait_event;
+
+GQP_API size_t gqp_profile_wait_event_count(const gqp_profile *p);
+GQP_API int gqp_profile_wait_event(const gqp_profile *p, size_t i,
+                                   gqp_wait_event *out);
+GQP_API uint64_t gqp_profile_wait_events_dropped(const gqp_profile *p);
+
 /* Epoch time of the profile's clock origin: add to a span's start_ns and
  * subtract the value of gqp_profile_wall_origin to get epoch nanoseconds. */
 GQP_API int64_t gqp_profile_epoch_origin(const gqp_profile *p);
@@ -276,6 +356,11 @@ typedef enum gqp_tracer_param {
                                    gqp_tracer_last_span                     */
 #define GQP_EV_NEW_FUNC 0x4     /* the function is new in its profile       */
 #define GQP_EV_DROPPED 0x8      /* data was dropped (a cap was reached)     */
+#define GQP_EV_WAIT 0x10        /* the origin of the switch is attached to a
+                                   profile that accounts waits: say where it
+                                   waits with gqp_tracer_wait_at (0.2)      */
+#define GQP_EV_NEW_SITE 0x20    /* gqp_tracer_wait_at: the site is new in
+                                   its profile (0.2)                        */
 
 /* Flags for gqp_tracer_switch. */
 #define GQP_SWITCH_FROM_DEAD 0x1 /* the origin greenlet has finished         */
@@ -344,7 +429,7 @@ GQP_API int gqp_tracer_running_since(const gqp_tracer *t, int64_t *start_ns,
 /* Forget a greenlet (e.g. it was collected without a final switch). */
 GQP_API int gqp_tracer_forget(gqp_tracer *t, uint64_t greenlet);
 /* Closes the running span and unwinds every call stack into the profiles,
- * as if everything stopped now.  The tracer is then idle (no greenlet
+ * as if everything stopped now (pending waits are charged up to now).  The tracer is then idle (no greenlet
  * running) and may be reconfigured or fed again. */
 GQP_API int gqp_tracer_flush(gqp_tracer *t);
 /* gqp_tracer_flush with flags.  GQP_FLUSH_FOREIGN: called from a thread
@@ -354,6 +439,21 @@ GQP_API int gqp_tracer_flush(gqp_tracer *t);
  * tracer's last event. */
 GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags);
 #define GQP_FLUSH_FOREIGN 0x1u
+/* Where `greenlet`, just switched out (the switch returned GQP_EV_WAIT),
+ * waits: `site` is a non-zero key of the caller's choosing (the Python
+ * binding combines a code object and a line).  The time until the greenlet
+ * runs again is charged to the site in the profile it is attached to, if
+ * it is still attached to that profile then (a detached greenlet, a closed
+ * or cleared profile, a greenlet that died: nothing is charged).  Returns
+ * GQP_EV_NEW_SITE when the site is new in the profile (*profile and
+ * *index, when not NULL, say where, for gqp_profile_wait_set_tag; the
+ * profile is borrowed), 0 when known,
+ * GQP_EV_DROPPED when the profile's table is full (counted), or
+ * GQP_EINVAL, GQP_ENOTFOUND (no wait pending for the greenlet), GQP_ENOMEM.
+ * (since 0.2) */
+GQP_API int gqp_tracer_wait_at(gqp_tracer *t, uint64_t greenlet,
+                               uint64_t site, gqp_profile **profile,
+                               size_t *index);
 /* Number of live greenlets tracked. */
 GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
 

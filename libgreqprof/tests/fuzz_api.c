@@ -8,7 +8,8 @@
  * ones and, rarely, the invalid key 0), calls/returns in any order,
  * attach/detach/inherit, profile close/clear/replace, flush, forget,
  * parameter changes (tiny caps to force overflow), names, tags, waited,
- * spawn profiles, and injected allocation failures (gqp_set_allocator).
+ * spawn profiles, wait sites (gqp_tracer_wait_at), and injected allocation
+ * failures (gqp_set_allocator).
  * After every operation cheap invariants are checked, and every 32
  * operations (and at the end) every span, greenlet, function and edge of
  * every profile is read back and checked:
@@ -20,6 +21,8 @@
  *   nactual <= ncall, times >= 0; tracer: current/greenlet_id/running_since
  *   agree; last_span after a switch matches the span stored at its index;
  *   waited: entries <= n, sorted, non-zero ids, sum <= total <= interval;
+ *   wait sites: count <= cap, distinct non-zero keys, times >= 0,
+ *   greenlets <= count; a new site's index reads back its key;
  *   gqp_profile_attached <= live greenlets of all tracers; calls that must
  *   succeed may only fail with GQP_ENOMEM when an allocation failed.
  *
@@ -80,7 +83,8 @@ enum {
     OP_CLOCKS = 21,     /* t                                               */
     OP_SPAWN = 22,      /* t, key, profsel                                 */
     OP_FAILALLOC = 23,  /* n: fail the n%32+1-th allocation from now       */
-    OP__COUNT = 24
+    OP_WAIT_AT = 24,    /* t, key, site(func table)                        */
+    OP__COUNT = 25
 };
 
 typedef struct fake_clock {
@@ -337,6 +341,34 @@ static void check_profile(const gqp_profile *p)
     gqp_greenlet_stat gs;
     CHECK(gqp_profile_greenlet(p, ng, &gs) == GQP_ERANGE, "greenlet(count)");
 
+    size_t nw = gqp_profile_wait_count(p);
+    CHECK((int64_t)nw <= pget(p, GQP_PROFILE_MAX_WAIT_SITES),
+          "%zu wait sites > cap", nw);
+    for (size_t i = 0; i < nw; i++) {
+        gqp_wait_stat w;
+        CHECK(gqp_profile_wait(p, i, &w) == GQP_OK, "wait(%zu)", i);
+        CHECK(w.site != 0, "wait site %zu key 0", i);
+        CHECK(w.wait_ns >= 0, "wait_ns %" PRId64, w.wait_ns);
+        CHECK(w.greenlets <= w.count, "greenlets %" PRIu64 " > count %"
+              PRIu64, w.greenlets, w.count);
+        for (size_t j = 0; j < i && j < 64; j++) {
+            gqp_wait_stat o;
+            CHECK(gqp_profile_wait(p, j, &o) == GQP_OK, "wait(j)");
+            CHECK(o.site != w.site, "wait site %" PRIx64 " twice", w.site);
+        }
+    }
+    gqp_wait_stat ws;
+    CHECK(gqp_profile_wait(p, nw, &ws) == GQP_ERANGE, "wait(count)");
+    size_t ne_ = gqp_profile_wait_event_count(p);
+    CHECK((int64_t)ne_ <= pget(p, GQP_PROFILE_MAX_WAIT_EVENTS) || ne_ == 0,
+          "%zu wait events > cap", ne_);
+    for (size_t i = 0; i < ne_; i++) {
+        gqp_wait_event e;
+        CHECK(gqp_profile_wait_event(p, i, &e) == GQP_OK, "wait_event");
+        CHECK(e.greenlet_id != 0 && e.end_ns >= e.start_ns && e.site < nw,
+              "wait event %zu", i);
+    }
+
     size_t nf = gqp_profile_func_count(p);
     int64_t max_f = pget(p, GQP_PROFILE_MAX_FUNCS);
     CHECK((int64_t)nf <= max_f, "%zu funcs > cap %" PRId64, nf, max_f);
@@ -501,7 +533,7 @@ static void op_switch(fz *z)
         return;
     }
     if (rc >= 0) {
-        CHECK((rc & ~0xf) == 0, "unknown event flags 0x%x", rc);
+        CHECK((rc & ~0x1f) == 0, "unknown event flags 0x%x", rc);
         if (running && from == cur && flags <= 1)
             check_last_span(z, ti);
     }
@@ -710,7 +742,10 @@ static void run_op(fz *z, uint8_t op)
                       gqp_profile_func_count(p) == 0 &&
                       gqp_profile_edge_count(p) == 0 &&
                       gqp_profile_greenlet_count(p) == 0 &&
-                      gqp_profile_calls_dropped(p) == 0,
+                      gqp_profile_calls_dropped(p) == 0 &&
+                      gqp_profile_wait_count(p) == 0 &&
+                      gqp_profile_waits_dropped(p) == 0 &&
+                      gqp_profile_wait_event_count(p) == 0,
                   "clear left data");
             CHECK(gqp_profile_longest_span(p, &s) == GQP_ENOTFOUND,
                   "longest after clear");
@@ -742,7 +777,7 @@ static void run_op(fz *z, uint8_t op)
         break;
     case OP_TSET: {
         ti = pick_tracer(z);
-        int param = rd(z) % 9; /* 0 and 8 are invalid */
+        int param = rd(z) % 10; /* 0 and 9 are invalid */
         int64_t v = pick_value(z);
         size_t live = gqp_tracer_greenlet_count(z->t[ti]);
         rc = gqp_tracer_set(z->t[ti], (gqp_tracer_param)param, v);
@@ -763,12 +798,12 @@ static void run_op(fz *z, uint8_t op)
     }
     case OP_PSET: {
         p = pick_prof(z, NULL);
-        int param = rd(z) % 8; /* 0 and 7 are invalid */
+        int param = rd(z) % 10; /* 0 and 9 are invalid */
         int64_t v = pick_value(z);
         rc = gqp_profile_set(p, (gqp_profile_param)param, v);
         if (p == NULL)
             CHECK(rc == GQP_EINVAL, "profile_set(NULL) = %d", rc);
-        else if (param == 0 || param == 7)
+        else if (param == 0 || param == 9)
             CHECK(rc == GQP_EINVAL || rc == GQP_ESTATE || rc == GQP_ERANGE,
                   "profile_set(bad param) = %d", rc);
         if (rc == GQP_OK) {
@@ -859,6 +894,33 @@ static void run_op(fz *z, uint8_t op)
     case OP_FAILALLOC:
         g_fa.fail_at = g_fa.total + 1 + rd(z) % 32;
         break;
+    case OP_WAIT_AT: {
+        size_t idx = SIZE_MAX;
+        ti = pick_tracer(z);
+        k1 = pick_key(z);
+        k2 = pick_func(z);
+        gqp_profile *wp = NULL;
+        rc = gqp_tracer_wait_at(z->t[ti], k1, k2, &wp, &idx);
+        if (k1 == 0 || k2 == 0) {
+            CHECK(rc == GQP_EINVAL, "wait_at(0) = %d", rc);
+        } else if (rc == GQP_EV_NEW_SITE) {
+            /* the index was given; in a slot's profile it reads back the
+             * key (the greenlet's profile may have left the slots) */
+            CHECK(idx != SIZE_MAX && wp != NULL, "new site without an index");
+            CHECK(idx < gqp_profile_wait_count(wp), "new site index");
+            for (int k = 0; k < NPROF; k++) {
+                gqp_wait_stat w;
+                if (z->p[k] && idx < gqp_profile_wait_count(z->p[k]) &&
+                    gqp_profile_wait(z->p[k], idx, &w) == GQP_OK)
+                    CHECK(w.site != 0, "site %zu key 0", idx);
+            }
+        } else {
+            CHECK(rc == 0 || rc == GQP_EV_DROPPED || rc == GQP_ENOTFOUND ||
+                      OK_OR_OOM(z, rc),
+                  "wait_at = %d", rc);
+        }
+        break;
+    }
     }
 }
 

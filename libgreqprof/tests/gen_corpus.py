@@ -19,7 +19,7 @@ OPS = [
     "SWITCH", "CALL", "RETURN", "RUN", "IDLE", "ATTACH", "INHERIT", "CLOSE",
     "CLEAR", "FLUSH", "FORGET", "TSET", "PSET", "DEFAULT", "NAME", "TAG",
     "WAITED", "NEWPROF", "RETAIN", "NEWTRACER", "CHECK", "CLOCKS", "SPAWN",
-    "FAILALLOC",
+    "FAILALLOC", "WAIT_AT",
 ]
 OP = {name: i for i, name in enumerate(OPS)}
 
@@ -348,13 +348,31 @@ def alloc_failures():
     return p.op("CHECK")
 
 
+def wait_sites():
+    """Attached greenlets switch out, say where they wait (some sites past
+    a cap of 2, some keys and sites invalid), are detached, closed or
+    cleared while waiting, and flushed."""
+    p = Prog(SET_CPU_MODE | CPU_EXACT)
+    p.op("NEWPROF", 1, 3, 0, 0).pset(1, 7, 2)
+    p.sw(0).attach(0, 1).inherit(1, 0)
+    for i in range(6):
+        p.sw(1 + i % 2).op("WAIT_AT", 0, i % 2, 2 + i % 4).idle(3 + i)
+        p.sw(i % 2).run(i)
+    p.op("WAIT_AT", 0, ZERO_KEY, 2).op("WAIT_AT", 0, 0, 255)
+    p.sw(3).op("WAIT_AT", 0, 0, 5).attach(0, NULL_PROF).sw(0).attach(0, 1)
+    p.sw(3).op("WAIT_AT", 0, 0, 6).op("CLEAR", 1).sw(0)
+    p.sw(3).op("FAILALLOC", 0).op("WAIT_AT", 0, 0, 7).op("FLUSH", 0)
+    p.sw(0).sw(3).op("WAIT_AT", 0, 0, 8).op("CLOSE", 1).sw(0)
+    return p.op("CHECK")
+
+
 def random_prog(seed, nops):
     rnd = random.Random(seed)
     p = Prog(rnd.randrange(256))
     for _ in range(nops):
         op = rnd.choices(range(len(OPS)),
                          weights=[20, 12, 10, 8, 4, 3, 2, 1, 1, 2, 1, 1, 1,
-                                  1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1])[0]
+                                  1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 2])[0]
         p.b.append(op)
         for _ in range(rnd.randrange(7)):
             p.b.append(rnd.randrange(40) if rnd.random() < 0.8
@@ -367,7 +385,7 @@ SCENARIOS = [
     close_attached, clear_open_frames, span_caps, depth_overflow,
     dead_key_reuse, huge_keys, waited, tracer_params, two_tracers, names,
     tags, forget_and_mismatch, null_slots, profile_params, estimate_windows,
-    spawn_and_dead_parents, alloc_failures,
+    spawn_and_dead_parents, alloc_failures, wait_sites,
 ]
 
 

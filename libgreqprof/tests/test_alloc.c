@@ -556,3 +556,49 @@ TEST(enomem_name_new_greenlet_changes_nothing)
     ASSERT_EQ_I64(a.live, 0);
     ASSERT_OK(gqp_set_allocator(NULL));
 }
+
+/* gqp_tracer_wait_at needs memory for a new site: without it, GQP_ENOMEM,
+ * no site, no charge, nothing leaked; with it again, the next wait is
+ * recorded. */
+TEST(enomem_wait_at_changes_nothing)
+{
+    counting_alloc a;
+    fake_clock c;
+    ca_install(&a);
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+    gqp_profile *p = new_profile();
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    ASSERT_OK(gqp_tracer_attach(t, KG, p));
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    a.fail_from = a.total + 1;
+    ASSERT_RC(gqp_tracer_wait_at(t, KG, FA, NULL, NULL), GQP_ENOMEM);
+    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
+    fc_idle(&c, 100);
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    ASSERT_EQ_SIZE(gqp_profile_wait_count(p), 0);
+    /* the first sites fit the first allocations: fail each one in turn */
+    for (long k = 1; k <= 3; k++) {
+        a.fail_from = 0;
+        a.fail_at = a.total + k;
+        EV(gqp_tracer_switch(t, KG, KH, 0));
+        int rc = gqp_tracer_wait_at(t, KG, FA + (uint64_t)k * 16, NULL, NULL);
+        ASSERT_TRUE(rc == GQP_ENOMEM || rc == GQP_EV_NEW_SITE);
+        EV(gqp_tracer_switch(t, KH, KG, 0));
+    }
+    a.fail_at = 0;
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    ASSERT_HAS_FLAG(EV(gqp_tracer_wait_at(t, KG, FB, NULL, NULL)), GQP_EV_NEW_SITE);
+    fc_idle(&c, 7);
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    gqp_wait_stat w;
+    ASSERT_OK(gqp_profile_wait(p, gqp_profile_wait_count(p) - 1, &w));
+    ASSERT_EQ_U64(w.site, FB);
+    ASSERT_EQ_I64(w.wait_ns, 7);
+    ASSERT_EQ_U64(w.count, 1);
+    gqp_tracer_free(t);
+    gqp_profile_free(p);
+    ASSERT_EQ_I64(a.live, 0);
+    ASSERT_EQ_I64(a.bad_frees, 0);
+    ASSERT_OK(gqp_set_allocator(NULL));
+}

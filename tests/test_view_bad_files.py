@@ -1,0 +1,210 @@
+"""``python -m greqprof view`` and ``RequestProfile.from_dict`` on bad files
+(issue 15, item 5): every one ends in one line on stderr and exit status 2,
+never a traceback; text that is merely odd (surrogate escapes, bidi and
+control characters) loads cleaned and renders."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from greqprof import RequestProfile
+from greqprof.renderers import RENDERERS, RenderError
+from greqprof.request_profile import MAX_FILE_BYTES
+
+from test_renderers import synthetic_profile
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def good():
+    return json.loads(synthetic_profile().to_json())
+
+
+def with_field(path, value):
+    """The good profile with the field at ``path`` (keys and list indexes)
+    replaced by ``value`` (or removed when value is ...)."""
+    d = good()
+    obj = d
+    for k in path[:-1]:
+        obj = obj[k]
+    if value is ...:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+    return d
+
+
+#: (label, document): each a file view must refuse with exit status 2
+BAD_DOCS = [
+    ("list", []), ("null", None), ("string", "profile"),
+    ("no schema", with_field(["schema"], ...)),
+    ("other schema", with_field(["schema"], "speedscope")),
+    ("method int", with_field(["method"], 5)),
+    ("path list", with_field(["path"], ["/"])),
+    ("path missing", with_field(["path"], ...)),
+    ("start null", with_field(["start"], None)),
+    ("end string", with_field(["end"], "1700000000")),
+    ("wall bool", with_field(["wall"], True)),
+    ("start negative", with_field(["start"], -5)),
+    ("start year 10000", with_field(["start"], 3e11)),
+    ("start huge int", with_field(["start"], 10 ** 400)),
+    ("cpu string", with_field(["cpu"], "fast")),
+    ("pid float", with_field(["pid"], 1.5)),
+    ("pid negative", with_field(["pid"], -1)),
+    ("pid 2**64", with_field(["pid"], 2 ** 64)),
+    ("dropped_spans str", with_field(["dropped_spans"], "3")),
+    ("spans dict", with_field(["spans"], {})),
+    ("span int", with_field(["spans", 0], 1)),
+    ("span start null", with_field(["spans", 0, "start"], None)),
+    ("span id str", with_field(["spans", 0, "greenlet_id"], "1")),
+    ("span finished int", with_field(["spans", 0, "finished"], 1)),
+    ("span stack int", with_field(["spans", 2, "stack"], 12)),
+    ("span missing end", with_field(["spans", 0, "end"], ...)),
+    ("longest_span list", with_field(["longest_span"], [])),
+    ("waiting list", with_field(["waiting"], [1])),
+    ("waiting top str", with_field(["waiting", "top"], "x")),
+    ("waiting top item", with_field(["waiting", "top", 0], [9])),
+    ("waiting complete str", with_field(["waiting", "complete"], "yes")),
+    ("greenlets item", with_field(["greenlets", 0], "g")),
+    ("greenlet switches", with_field(["greenlets", 0, "switches"], 1.0)),
+    ("blocking item", with_field(["blocking", 0], 3)),
+    ("blocking stack dict", with_field(["blocking", 0, "stack"], {})),
+    ("calls dict", with_field(["calls"], {"a": 1})),
+    ("call lineno str", with_field(["calls", 0, "lineno"], "12")),
+    ("call children", with_field(["calls", 0, "children"], 7)),
+    ("child ttot", with_field(["calls", 0, "children", 0, "ttot"], [])),
+    ("text too long", with_field(["path"], "x" * 1000001)),
+]
+
+#: (label, raw bytes): files that are not JSON profiles at all
+BAD_BYTES = [
+    ("empty", b""), ("not json", b"{profile"), ("not utf-8", b'{"a": "\xff"}'),
+    ("NaN", json.dumps(good()).replace('"wall": 0.1', '"wall": NaN')
+     .encode()),
+    ("Infinity", json.dumps(good()).replace('"wall": 0.1',
+                                            '"wall": -Infinity').encode()),
+    ("deep list", b"[" * 100000 + b"]" * 100000),
+    ("deep dict", b'{"a":' * 100000 + b"1" + b"}" * 100000),
+    ("deep in a field", json.dumps(good()).replace(
+        '"error": null', '"error": ' + "[" * 50000 + "]" * 50000).encode()),
+    ("10000 digits", b'{"schema": 1' + b"0" * 10000 + b"}"),
+    ("nul", b"\x00\x00"),
+]
+
+
+def view(path, *args):
+    return subprocess.run([sys.executable, "-m", "greqprof", "view",
+                           str(path)] + list(args),
+                          capture_output=True, timeout=60)
+
+
+def refused(r, *needles):
+    err = r.stderr.decode("utf-8")
+    assert r.returncode == 2, (r.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("label,doc", BAD_DOCS,
+                         ids=[x for x, _ in BAD_DOCS])
+def test_from_dict_refuses(label, doc):
+    with pytest.raises(ValueError) as e:
+        RequestProfile.from_dict(doc)
+    assert "\n" not in str(e.value)
+
+
+def test_from_dict_names_the_field():
+    with pytest.raises(ValueError, match=r"spans\[0\]\.start"):
+        RequestProfile.from_dict(with_field(["spans", 0, "start"], None))
+    with pytest.raises(ValueError,
+                       match=r"calls\[0\]\.children\[0\]\.ttot"):
+        RequestProfile.from_dict(
+            with_field(["calls", 0, "children", 0, "ttot"], "x"))
+
+
+def test_view_refuses_each_bad_file(tmp_path):
+    """One subprocess per kind would be slow: a sample of each family."""
+    sample = [BAD_DOCS[i] for i in range(0, len(BAD_DOCS), 3)]
+    for label, doc in sample:
+        p = tmp_path / "bad.json"
+        p.write_text(json.dumps(doc))
+        refused(view(p), "not a greqprof profile")
+    for label, raw in BAD_BYTES:
+        p = tmp_path / "bad.json"
+        p.write_bytes(raw)
+        refused(view(p), "bad.json")
+
+
+def test_view_refuses_a_huge_file_without_reading_it(tmp_path):
+    p = tmp_path / "huge.json"
+    with open(p, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)   # (sparse: nothing to read)
+    refused(view(p), "larger than")
+    with pytest.raises(ValueError, match="larger than"):
+        RequestProfile.load(str(p))
+
+
+def test_view_refuses_other_greqprof_outputs(tmp_path):
+    for fmt in ("trace", "speedscope", "html", "text", "callgrind",
+                "pstats"):
+        data = RENDERERS[fmt].render(synthetic_profile())
+        p = tmp_path / ("out." + fmt)
+        p.write_bytes(data if isinstance(data, bytes)
+                      else data.encode("utf-8"))
+        refused(view(p))
+
+
+def test_load_refuses_bad_bytes(tmp_path):
+    for label, raw in BAD_BYTES:
+        p = tmp_path / "bad.json"
+        p.write_bytes(raw)
+        with pytest.raises(ValueError):
+            RequestProfile.load(str(p))
+
+
+def test_surrogates_and_bidi_in_a_file_load_cleaned(tmp_path):
+    """A profile saved before text was cleaned at capture (json.dump wrote
+    a lone surrogate as \\udcff) used to crash every text output."""
+    d = good()
+    d["path"] = "/x\udcff\u202e"
+    d["spans"][0]["greenlet_name"] = "g\ud800"
+    d["spans"][2]["stack"] = '  File "a\udcff.py", line 1, in f\x1b\n'
+    d["calls"][0]["filename"] = "/srv/\udcffapp.py"
+    d["error"] = "E: \u2066boom\u2069"
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(d))   # (ensure_ascii: \udcff escapes)
+    prof = RequestProfile.load(str(p))
+    assert prof.path == "/x\\udcff\\u202e"
+    assert prof.spans[0].greenlet_name == "g\\ud800"
+    assert prof.spans[2].stack == \
+        '  File "a\\udcff.py", line 1, in f\\x1b\n'
+    for fmt in RENDERERS:
+        out = tmp_path / ("o." + fmt)
+        r = view(p, "-f", fmt, "-o", str(out))
+        assert r.returncode == 0, r.stderr.decode()
+    r = view(p)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "\\udcff" in r.stdout.decode("utf-8")
+
+
+def test_every_renderer_renders_what_from_dict_accepts():
+    """Limits of the accepted ranges render in every format."""
+    d = good()
+    d["start"], d["end"] = 0.0, 1e11
+    d["wall"], d["cpu"] = 1e11, -1e11
+    d["spans"][0]["start"] = 0.0
+    d["spans"][0]["wall"] = -1e11
+    d["pid"] = 2 ** 63 - 1
+    d["calls"][0]["ttot"] = 0.0
+    d["calls"][0]["ncall"] = 0
+    d["calls"][0]["lineno"] = 2 ** 63 - 1
+    p = RequestProfile.from_dict(d)
+    for name, r in RENDERERS.items():
+        try:
+            r.render(p)
+        except RenderError:
+            pass
