@@ -571,6 +571,40 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         Py_RETURN_NONE;
     }
 
+    /* wait sites, when read_profile gave them (item 13): checked here,
+     * so that the text is not half written when they are not as expected
+     * (None: the caller renders in Python) */
+    PyObject *wait_rows = NULL;
+    long long wait_dropped = 0;
+    if (PyTuple_GET_SIZE(raw) > 13) {
+        PyObject *w = PyTuple_GET_ITEM(raw, 13);
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3 ||
+            !(PyList_Check(PyTuple_GET_ITEM(w, 0)) ||
+              PyTuple_Check(PyTuple_GET_ITEM(w, 0)))) {
+            Py_RETURN_NONE;
+        }
+        wait_rows = PyTuple_GET_ITEM(w, 0);
+        wait_dropped = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 1));
+        if (wait_dropped < 0) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(wait_rows);
+             i++) {
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, i);
+            if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 7 ||
+                !PyLong_Check(PyTuple_GET_ITEM(r, 2)) ||
+                !PyLong_Check(PyTuple_GET_ITEM(r, 4)) ||
+                !PyLong_Check(PyTuple_GET_ITEM(r, 5)) ||
+                !PyLong_Check(PyTuple_GET_ITEM(r, 6)) ||
+                PyLong_AsLongLong(PyTuple_GET_ITEM(r, 5)) < 0 ||
+                PyLong_AsLongLong(PyTuple_GET_ITEM(r, 6)) < 0) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+        }
+    }
+
     /* rows, copied out aligned (one allocation for everything) */
     size_t ns = (size_t)PyBytes_GET_SIZE(span_rows) / sizeof(gqp_span);
     size_t ng = (size_t)PyBytes_GET_SIZE(grow_rows) /
@@ -908,6 +942,90 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         BUF_LIT(&b, "  ");
         if (buf_who(&b, gid, name, fn, name_safe) < 0) {
             goto done;
+        }
+    }
+    /* wait sites (read_profile's item 13: (rows, dropped, events), rows
+     * (fn, filename, line, stack, ns, count, greenlets)), as
+     * report.render_waits prints them: the 5 largest, ties in order */
+    if (wait_rows) {
+        Py_ssize_t nw = PySequence_Fast_GET_SIZE(wait_rows);
+        Py_ssize_t top5[5];
+        long long top5_ns[5];
+        int m = 0;
+        for (Py_ssize_t i = 0; i < nw; i++) {
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, i);
+            long long wns = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 4));
+            if (wns == -1 && PyErr_Occurred()) {
+                goto done;
+            }
+            int at = m;
+            while (at > 0 && top5_ns[at - 1] < wns) {
+                at--;
+            }
+            if (at >= 5) {
+                continue;
+            }
+            int last = m < 5 ? m : 4;
+            for (int k = last; k > at; k--) {
+                top5[k] = top5[k - 1];
+                top5_ns[k] = top5_ns[k - 1];
+            }
+            top5[at] = i;
+            top5_ns[at] = wns;
+            if (m < 5) {
+                m++;
+            }
+        }
+        if (nw || wait_dropped) {
+            BUF_LIT(&b, "\nWaited at: (top ");
+            buf_u64(&b, (unsigned long long)m, 0);
+            BUF_LIT(&b, " of ");
+            buf_u64(&b, (unsigned long long)nw, 0);
+            BUF_LIT(&b, " sites)");
+        }
+        for (int k = 0; k < m; k++) {
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, top5[k]);
+            long long line = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 2));
+            long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 5));
+            long long gl = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 6));
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+            BUF_LIT(&b, "\n  ");
+            buf_ms(&b, 1, (double)top5_ns[k] * 1e-9, 10);
+            BUF_LIT(&b, " ");
+            buf_u64(&b, (unsigned long long)count, 6);
+            if (count == 1) {
+                BUF_LIT(&b, " wait  ");
+            } else {
+                BUF_LIT(&b, " waits ");
+            }
+            buf_u64(&b, (unsigned long long)gl, 4);
+            if (gl == 1) {
+                BUF_LIT(&b, " greenlet   ");
+            } else {
+                BUF_LIT(&b, " greenlets  ");
+            }
+            if (buf_safe(&b, PyTuple_GET_ITEM(r, 0), 200, safe) < 0) {
+                goto done;
+            }
+            BUF_LIT(&b, " (");
+            if (buf_safe(&b, PyTuple_GET_ITEM(r, 1), 300, safe) < 0) {
+                goto done;
+            }
+            BUF_LIT(&b, ":");
+            if (line < 0) {
+                BUF_LIT(&b, "-");
+                line = -line;
+            }
+            buf_u64(&b, (unsigned long long)line, 0);
+            BUF_LIT(&b, ")");
+        }
+        if (wait_dropped) {
+            BUF_LIT(&b, "\n  (");
+            buf_u64(&b, (unsigned long long)wait_dropped, 0);
+            BUF_LIT(&b, " waits at further sites not recorded: the table of "
+                        "sites was full)");
         }
     }
     if (end_marker) {

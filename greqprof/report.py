@@ -351,21 +351,24 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
     loader = d.get("_loader")
     if loader is not None and _render_rows is not None:
         if loader[0] is _request_records():
-            # (the common report has no section after the waiting lines:
-            # C writes the end line too, saving a copy of the text)
-            last = not d.get("blocking") and d.get("calls") is None and \
-                not any(_waits(p))
+            # (C writes the wait sites too; the common report has no
+            # section after them: C writes the end line too, saving a copy
+            # of the text)
+            last = not d.get("blocking") and d.get("calls") is None
             text = _render_rows(d, loader[1], spans, greenlets, safe,
                                 _indent_clean_stack, last, _clean_safe)
             if text is not None:
-                return text if last else _tail(p, [text], calls_limit)
+                return text if last else _tail(p, [text], calls_limit,
+                                               waits=False)
     return _render_py(p, spans, calls_limit, greenlets)
 
 
-def _tail(p, out, calls_limit):
-    """The report's sections after the waiting lines, then its end."""
-    waits, dropped = _waits(p)
-    out.extend(render_waits(waits, DEFAULT_WAITS, dropped))
+def _tail(p, out, calls_limit, waits=True):
+    """The report's sections after the waiting lines (after the wait
+    sites with waits=False), then its end."""
+    if waits:
+        sites, dropped = _waits(p)
+        out.extend(render_waits(sites, DEFAULT_WAITS, dropped))
     for b in p.blocking:
         out.append("Blocking span: %s (CPU %s) in %s" % (
             _ms(b.wall), _ms(b.cpu),

@@ -459,6 +459,17 @@ def _synthetic(seed, n_spans, n_greenlets):
     raw = (b"".join(spans), b"".join(grows), None, t, 3450000, top,
            bool(seed % 2), 0, 0, 1700000000 * 10 ** 9 + 123456789, 555,
            names, {})
+    if seed % 3:
+        # wait sites (read_profile's item 13): ties, 1/many, a hostile name
+        sites = [("f%d" % i, "/srv/m%d.py" % (i % 3), i,
+                  ("a.py:1 in x",), rnd.choice([150000, 2500000, 10 ** 7]),
+                  rnd.choice([1, 2, 40]), rnd.choice([1, 3]))
+                 for i in range(seed)]
+        sites.append(("evil\u202e" + "w" * 250, "/srv/x.py", 7, (), 150000,
+                      1, 1))
+        # (rows as read_profile hands them: a tuple; a list works too)
+        raw = raw + ((tuple(sites) if seed % 2 else sites, seed % 2 * 5,
+                      b""),)
     return RequestProfile(
         method="GET", path="/s/%d" % seed, status="200 OK", start=1.7e9,
         end=1.7e9 + 0.01, wall=0.01, cpu=None, spans=None, longest_span=None,
@@ -475,11 +486,15 @@ def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
     p.__dict__["_loader"] = (loader, raw)
     for n, g in ((10, 20), (None, None), (0, 0), (3, 1)):
         fast = report._render_rows(p.__dict__, raw, n, g, report.safe,
-                                   report._indent_stack)
+                                   report._indent_clean_stack, False,
+                                   report._clean_safe)
         slow = report._render_py(p, n, 25, g)
         assert fast + "\n<<< End RequestProfile" == slow
         assert report._render_rows(p.__dict__, raw, n, g, report.safe,
-                                   report._indent_stack, True) == slow
+                                   report._indent_clean_stack, True,
+                                   report._clean_safe) == slow
+    if len(raw) > 13 and raw[13][0]:
+        assert "\nWaited at: (top " in slow
     text = p.report()
     p.spans  # noqa: B018
     assert p.report() == text
@@ -526,3 +541,18 @@ def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
     # the records say the same
     p.spans  # noqa: B018
     assert calls and p.report() == text
+
+
+def test_rows_the_c_renderer_does_not_know_fall_back_to_python():
+    from greqprof import report
+    p, loader, raw = _synthetic(4, 20, 4)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    for bad in (("not", "three"), ((("f", "x.py", "one", (), 1, 1, 1),), 0,
+                                   b""), (((),), 0, b"")):
+        odd = raw[:13] + (bad,)
+        assert report._render_rows(p.__dict__, odd, 10, 20, report.safe,
+                                   report._indent_clean_stack, True,
+                                   report._clean_safe) is None
+    assert report._render_rows(p.__dict__, raw[:5], 10, 20, report.safe,
+                               report._indent_clean_stack) is None
