@@ -12,6 +12,10 @@ throughput measurements:
             about 150 µs of CPU per request here, plus pywsgi's own
             request handling.
 
+  /api      issue 16's light app: spawns one child greenlet, sleeps 1 ms
+            (gevent.sleep: the request waits, as on a database), joins
+            the child and returns a small JSON body.
+
 and, outside any profiling middleware:
 
   /__stats  JSON counters (requests the app handled, the middleware's
@@ -28,7 +32,9 @@ factory::
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
-gqp-5pct, gqp-100pct, gqp-100pct-calls, werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
+gqp-5pct, gqp-100pct (report=False), gqp-5pct-logged, gqp-100pct-logged
+(each report logged at INFO to a file handler), gqp-100pct-calls,
+werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
 """
 import argparse
 import json
@@ -92,14 +98,33 @@ def make_hello(rows):
     return hello
 
 
+def _api_child(n):
+    return sum(i % 7 for i in range(n))
+
+
+def api(environ, start_response):
+    """/api: one child greenlet, a 1 ms sleep, a JSON body."""
+    COUNTERS["api"] = COUNTERS.get("api", 0) + 1
+    child = gevent.spawn(_api_child, 50)
+    gevent.sleep(0.001)
+    body = json.dumps({"ok": True, "total": child.get(),
+                       "path": environ.get("PATH_INFO")}).encode("utf-8")
+    start_response("200 OK", [("Content-Type", "application/json"),
+                              ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def make_app(rows=DEFAULT_ROWS):
-    """examples/wsgi_app.py's app, plus /hello."""
+    """examples/wsgi_app.py's app, plus /hello and /api."""
     hello = make_hello(rows)
     inner = wsgi_app.app
 
     def app(environ, start_response):
-        if environ.get("PATH_INFO") == "/hello":
+        path = environ.get("PATH_INFO")
+        if path == "/hello":
             return hello(environ, start_response)
+        if path == "/api":
+            return api(environ, start_response)
         return inner(environ, start_response)
     return app
 
@@ -124,6 +149,49 @@ def _greqprof(**kw):
     def wrap(app):
         from greqprof import ProfilingMiddleware
         return ProfilingMiddleware(app, report=False, sink=_discard_profile,
+                                   **kw)
+    return wrap
+
+
+def _report_logger():
+    """A logger whose INFO records go to a FileHandler with a standard
+    Formatter, as production logging does (a file in a temporary
+    directory, emptied every second so a long run does not fill the
+    disk; removed at exit)."""
+    import atexit
+    import logging
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="greqprof-bench-log-")
+    atexit.register(shutil.rmtree, d, True)
+    log = logging.getLogger("greqprof.bench.reports")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    handler = logging.FileHandler(os.path.join(d, "reports.log"))
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+
+    def empty():
+        while True:
+            gevent.sleep(1.0)
+            try:
+                handler.acquire()
+                try:
+                    handler.stream.truncate(0)   # (opened in append mode)
+                finally:
+                    handler.release()
+            except (OSError, ValueError, AttributeError):
+                pass
+    gevent.spawn(empty)
+    return log
+
+
+def _greqprof_logged(**kw):
+    """greqprof with each sampled report logged at INFO to a file."""
+    def wrap(app):
+        from greqprof import ProfilingMiddleware
+        return ProfilingMiddleware(app, report=True, logger=_report_logger(),
                                    **kw)
     return wrap
 
@@ -164,8 +232,14 @@ CONFIGS = {
     "bare": ("bare app", lambda app: app),
     "gqp-0pct": ("greqprof pct=0 (blocking detection only)",
                  _greqprof(pct=0.0)),
-    "gqp-5pct": ("greqprof pct=0.05 (spans)", _greqprof(pct=0.05)),
-    "gqp-100pct": ("greqprof pct=1.0 (spans)", _greqprof(pct=1.0)),
+    "gqp-5pct": ("greqprof pct=0.05 (spans), report=False",
+                 _greqprof(pct=0.05)),
+    "gqp-100pct": ("greqprof pct=1.0 (spans), report=False",
+                   _greqprof(pct=1.0)),
+    "gqp-5pct-logged": ("greqprof pct=0.05, each report logged at INFO to "
+                        "a file", _greqprof_logged(pct=0.05)),
+    "gqp-100pct-logged": ("greqprof pct=1.0, each report logged at INFO to "
+                          "a file", _greqprof_logged(pct=1.0)),
     "gqp-100pct-calls": ("greqprof pct=1.0 calls=True",
                          _greqprof(pct=1.0, calls=True)),
     "werkzeug": ("werkzeug ProfilerMiddleware (cProfile)", _werkzeug),

@@ -21,6 +21,11 @@ server alone instead and compares medians (the method of earlier tables).
     python bench/load_overhead.py --micro         # + in-process ns/request
     python bench/load_overhead.py --quick         # smoke run (test suite)
     python bench/load_overhead.py --ab A B        # B against A, side by side
+    python bench/load_overhead.py --app api --only gqp-5pct-logged,\
+        gqp-100pct-logged,gqp-5pct,gqp-100pct --markdown
+                                                  # issue 16's table: GET /api
+                                                  # (child, 1 ms sleep, JSON),
+                                                  # reports logged to a file
 
 --ab compares two configurations with the same side-by-side method, each
 ``[CHECKOUT:]CONFIG``: a _load_server config key (or ``gqp{JSON}``),
@@ -52,12 +57,16 @@ import _benchutil as bu  # noqa: E402
 
 SERVER = os.path.join(HERE, "_load_server.py")
 URL_PATH = "/hello?name=bench"
+#: --app -> the route wrk loads (URL_PATH is set from it in main)
+APP_PATHS = {"hello": "/hello?name=bench", "api": "/api?page=2"}
 
 #: greqprof rows that sample no request (pct=0): any sample is an error
 NO_SAMPLING = {"gqp-0pct"}
 #: greqprof targets: minimum median req/s ratio to the bare app
 TARGETS = {"gqp-5pct": 0.99, "gqp-100pct": 0.97,
-           "gunicorn:gqp-5pct": 0.99}
+           "gunicorn:gqp-5pct": 0.99,
+           # issue 16: with each sampled report logged
+           "gqp-5pct-logged": 0.97, "gqp-100pct-logged": 0.85}
 
 
 class Cfg:
@@ -80,8 +89,12 @@ CONFIGS = [
         "callback"),
     Cfg("gqp-0pct", "greqprof pct=0: blocking detection only (the path "
         "of unsampled requests)"),
-    Cfg("gqp-5pct", "greqprof pct=0.05, spans only"),
-    Cfg("gqp-100pct", "greqprof pct=1.0, spans only"),
+    Cfg("gqp-5pct", "greqprof pct=0.05, spans only, report=False"),
+    Cfg("gqp-100pct", "greqprof pct=1.0, spans only, report=False"),
+    Cfg("gqp-5pct-logged", "greqprof pct=0.05, each report logged at INFO "
+        "to a file"),
+    Cfg("gqp-100pct-logged", "greqprof pct=1.0, each report logged at "
+        "INFO to a file"),
     Cfg("gqp-100pct-calls", "greqprof pct=1.0, calls=True"),
     Cfg("werkzeug", "werkzeug ProfilerMiddleware (cProfile)",
         needs="werkzeug"),
@@ -733,8 +746,12 @@ def header_lines(info, args, command):
             "server pinned to CPU %d, wrk to CPU %d" % (args.server_cpu,
                                                         args.wrk_cpu)
             if args.server_cpu is not None else "no CPU pinning"),
-        "endpoint: GET %s, %d rows: bare app %.0f µs CPU/request in-process "
-        "(no server)" % (URL_PATH, args.rows, info.get("app_us") or 0),
+        ("endpoint: GET %s, %d rows: bare app %.0f µs CPU/request "
+         "in-process (no server)" % (URL_PATH, args.rows,
+                                     info.get("app_us") or 0))
+        if args.app == "hello" else
+        "endpoint: GET %s (a child greenlet, a 1 ms gevent.sleep, a JSON "
+        "body)" % URL_PATH,
         "loadavg before: %s, after: %s; rest of the machine during the "
         "measurements (CPUs busy outside the server and wrk): median %s, "
         "max %s; steal median %s" % (
@@ -855,6 +872,10 @@ def main():
                    help="wrk -t (default 1)")
     p.add_argument("--rows", type=int, default=24,
                    help="rows rendered by /hello (its cost; default 24)")
+    p.add_argument("--app", choices=sorted(APP_PATHS), default="hello",
+                   help="the route put under load: hello (default: ~150 us "
+                        "of app CPU) or api (issue 16's light app: a child "
+                        "greenlet, a 1 ms sleep, a JSON body)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin the server to the last CPU and wrk to "
                         "the first (pinning is on when there are >= 2 CPUs)")
@@ -879,6 +900,8 @@ def main():
                    help="measure B side by side with A only, each "
                         "[CHECKOUT:]CONFIG (see above)")
     args = p.parse_args()
+    global URL_PATH
+    URL_PATH = APP_PATHS[args.app]
     command = " ".join(shlex.quote(a) for a in
                        [os.path.relpath(sys.executable, ROOT)
                         if sys.executable.startswith(ROOT) else

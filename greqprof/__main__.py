@@ -36,6 +36,13 @@ def load_app(spec):
     module_name, _, attr = spec.partition(":")
     if not module_name:
         raise CliError("expected MODULE:APP, got %r" % spec)
+    if module_name.endswith(".py") or os.sep in module_name:
+        # (a file path: say what to type instead)
+        mod = os.path.splitext(os.path.basename(module_name))[0]
+        raise CliError(
+            "expected MODULE:APP, got the file %r: run it from the file's "
+            "directory as `python -m greqprof serve %s:%s` (or put that "
+            "directory on PYTHONPATH)" % (spec, mod, attr or "app"))
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

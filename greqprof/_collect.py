@@ -167,6 +167,20 @@ SPAN_ROW = struct.Struct("=QqqqII")
 GREENLET_ROW = struct.Struct("=QqqQqqQ")
 
 
+def request_names(names):
+    """A request's names (id -> (name, fn_name)) as its profile shows them:
+    a greenlet nobody named ("Greenlet", "Greenlet-3") by its function
+    (issue 16).  A new dict; names is read_profile's."""
+    out = {}
+    for gid, pair in names.items():
+        name, fn = pair
+        if fn and (not name or name == "Greenlet" or
+                   name.startswith(("Greenlet-", "greenlet-"))):
+            pair = (fn, fn)
+        out[gid] = pair
+    return out
+
+
 def request_records(raw):
     """The deferred fields of a request's RequestProfile (see
     RequestProfile's "_loader"), from what read_profile (_hooks.c) read out
@@ -175,7 +189,7 @@ def request_records(raw):
      _dropped_spans, _dropped_calls, epoch0, wall0, names, stacks) = raw[:13]
     origin = ClockOrigin(epoch0, wall0)
     st = _clean_stacks(stacks) or {}
-    names = _clean_names(names)
+    names = request_names(_clean_names(names))
     # (names has every greenlet's: rows need none of their own)
     spans = [make_span(origin, x, names, st)
              for x in SPAN_ROW.iter_unpack(span_rows)]

@@ -129,19 +129,22 @@ size_t gqp_py_read_funcs(gqp_profile *p, gqp_func_stat *out, size_t n);
 size_t gqp_py_read_edges(gqp_profile *p, gqp_edge_stat *out, size_t n);
 size_t gqp_py_read_greenlets(gqp_profile *p, gqp_greenlet_stat *out,
                              size_t n);
+int gqp_render_init(void);
 """
 
 ffi = FFI()
 ffi.cdef(CDEF)
 ffi.set_source(
     "greqprof._core",
-    '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n#include "_sampled.c"\n',
+    '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n#include "_sampled.c"\n'
+    '#include "_render.c"\n',
     sources=[os.path.relpath(os.path.join(LIB, s), ROOT) for s in LIB_SOURCES],
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
     # _core.c only #includes these: rebuild when they change.
     depends=[os.path.relpath(p, ROOT) for p in (
         os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
-        os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_compat.h"),
+        os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_render.c"),
+        os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",
                                                      "greqprof.h"),
         os.path.join(LIB, "internal.h"))],

@@ -44,3 +44,7 @@ note = None
 #: the greenlet and its live spawners (gevent's spawning_greenlet), note the
 #: first (method, path, request_id) noted along it, or None
 request_note = None
+#: render_rows(fields, raw, n_spans, n_greenlets, safe, stack): the text
+#: report's common part from a deferred profile's rows (a C function, see
+#: _render.c; used by greqprof.report)
+render_rows = None

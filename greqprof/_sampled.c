@@ -1278,6 +1278,30 @@ static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
  * an open profile read for observers, its stacks left in place and
  * without blocking events.  calls: the function table or None.  A new
  * reference, or NULL with an exception set. */
+/* names[req's greenlet] = ("METHOD path", fn_name): the request's own
+ * greenlet is shown as the request, not as gevent's server function
+ * (issue 16).  names is read_profile's (a new dict).  0 or -1. */
+static int label_request_greenlet(PyObject *names, gqp_req *req)
+{
+    if (!PyDict_Check(names) || !req->gid || !PyLong_Check(req->gid) ||
+        !req->method || !PyUnicode_Check(req->method) || !req->path ||
+        !PyUnicode_Check(req->path)) {
+        return 0;
+    }
+    PyObject *old = PyDict_GetItemWithError(names, req->gid);
+    if (!old && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *fn = old && PyTuple_Check(old) && PyTuple_GET_SIZE(old) == 2
+                       ? PyTuple_GET_ITEM(old, 1) : str_empty;
+    PyObject *text = PyUnicode_FromFormat("%U %U", req->method, req->path);
+    PyObject *pair = text ? PyTuple_Pack(2, text, fn) : NULL;
+    int rc = pair ? PyDict_SetItem(names, req->gid, pair) : -1;
+    Py_XDECREF(text);
+    Py_XDECREF(pair);
+    return rc;
+}
+
 static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
                                int snapshot, PyObject *calls)
 {
@@ -1292,8 +1316,11 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
     if (!raw) {
         goto done;
     }
-    if (!PyTuple_Check(raw) || PyTuple_GET_SIZE(raw) < 11) {
+    if (!PyTuple_Check(raw) || PyTuple_GET_SIZE(raw) < 13) {
         PyErr_SetString(PyExc_RuntimeError, "read_profile: bad result");
+        goto done;
+    }
+    if (label_request_greenlet(PyTuple_GET_ITEM(raw, 11), req) < 0) {
         goto done;
     }
     long long start = PyLong_AsLongLong(req->start_ns);

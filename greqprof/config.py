@@ -321,6 +321,10 @@ VARIABLES = {
     "GREQPROF_OTEL": ("otel", _bool, False),
     "GREQPROF_OTEL_SPANS": ("otel_spans", _bool, False),
     "GREQPROF_ENABLED": ("enabled", _bool, True),
+    "GREQPROF_BLOCKING_INTERVAL": ("blocking_interval", _Number(
+        0.0, 86400.0, unit="seconds"), 10.0),
+    "GREQPROF_JSON_MAX_BYTES": ("json_max_bytes", _Number(
+        1024, 2 ** 30, integer=True, unit="bytes"), 65536),
 }
 
 #: option -> spec of the options that only code sets

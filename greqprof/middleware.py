@@ -7,7 +7,10 @@ import logging
 import math
 import os
 import random
+import re
 import socket
+import sys
+import threading
 import weakref
 from time import monotonic as _monotonic
 
@@ -99,6 +102,13 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     :param sink: callable receiving each finished :class:`RequestProfile`.
     :param json_logs: log one JSON line per profile / blocking event
         instead of the text report (for log shippers).
+    :param json_max_bytes: longest JSON log line (bytes); a profile's
+        spans and function table are cut to their top entries to fit
+        (``"cut"`` says how many; sinks, files and the inspector get
+        everything).
+    :param blocking_interval: seconds between two blocking WARNINGs of the
+        same site (the code that held the loop); the others are counted
+        and summed up in one line (0: log every one).
     :param max_spans: spans kept per request profile (more are counted).
     :param stacks: capture stacks of blocking spans.
     :param seed: seed of the sampling RNG (reproducible sampling), or
@@ -142,7 +152,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  profile_dir=UNSET, formats=UNSET, ui_path=None, ui_allow=None,
                  ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
                  otel_spans=UNSET, observers=(), environ=None,
-                 max_lifetime=60.0):
+                 max_lifetime=60.0, blocking_interval=UNSET,
+                 json_max_bytes=UNSET):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -153,7 +164,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             logger=logger, json_logs=json_logs, max_spans=max_spans,
             trigger_header=trigger_header, trigger_secret=trigger_secret,
             linger=linger, profile_dir=profile_dir, formats=formats,
-            otel=otel, otel_spans=otel_spans), environ)
+            otel=otel, otel_spans=otel_spans,
+            blocking_interval=blocking_interval,
+            json_max_bytes=json_max_bytes), environ)
         self.enabled = opts["enabled"]
         pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
         blocking_ms, logger = opts["blocking_ms"], opts["logger"]
@@ -182,6 +195,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self.json_logs = bool(json_logs)
             self.report = config.check("report", report)
             config.check("seed", seed)
+            self._blocking_sites = _BlockingSites(float(config.check(
+                "blocking_interval", opts["blocking_interval"])))
+            self.json_max_bytes = config.check("json_max_bytes",
+                                               opts["json_max_bytes"])
             self.log = (logger if isinstance(logger, logging.Logger)
                         else logging.getLogger(logger))
             if rng is not None and not callable(rng):
@@ -208,7 +225,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self.pid = os.getpid()
             self.hostname = socket.gethostname()
             self.stats = {"requests": 0, "sampled": 0, "skipped_full": 0,
-                          "blocking": 0, "errors": 0, "delivered": 0}
+                          "blocking": 0, "errors": 0, "delivered": 0,
+                          "blocking_not_logged": 0}
             # -- profile files and the dev inspector (docs/viewing.md) --------
             from .inspector import ProfileOutputs
             self._outputs = ProfileOutputs.create(
@@ -514,6 +532,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             gevent.sleep(1.0)
             try:
                 self._drain_blocking(eng)
+                for mw in list(eng.middlewares) or [self]:
+                    mw._log_blocking_summaries()
             except Exception as e:
                 self._internal_error("drain", e)
 
@@ -619,6 +639,14 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             method, path, rid = owner.method, owner.path, owner.request_id
         name, fn, stack, sampled, method, path, rid = _collect.blocking_texts(
             name, fn, stack, sampled, method, path, rid)
+        if owner is not None and getattr(owner, "gid", None) == gid and \
+                method and path:
+            # the request's own greenlet: named after the request, as in
+            # its profile (an unsampled request's is not known)
+            name = "%s %s" % (method, path)
+        if fn and (not name or name == "Greenlet" or
+                   name.startswith(("Greenlet-", "greenlet-"))):
+            name = fn   # (unnamed: by its function, as in profiles)
         origin_epoch = _lowlevel.lib.gqp_clock_epoch_ns() - _lowlevel.wall_ns()
         return BlockingEvent(
             greenlet_id=gid, greenlet_name=name or "", fn_name=fn or "",
@@ -629,21 +657,67 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
 
     # -- output -------------------------------------------------------------
     def _log_blocking(self, ev):
+        """A blocking event's WARNING: the first of its site in each
+        blocking_interval; the rest are counted (and summed up by
+        _log_blocking_summaries)."""
         try:
-            if self.json_logs:
-                self.log.warning(json.dumps(ev.to_dict()))
-            else:
-                self.log.warning(render_blocking(ev))
+            sites = self._blocking_sites
+            admitted = sites.admit(ev, _monotonic())
+            if not admitted:
+                self.stats["blocking_not_logged"] += 1
+                return
+            logged = False
+            try:
+                _ensure_visible(self.log)
+                for summary in sites.expired(_monotonic()) \
+                        if sites.pending else ():
+                    self._log_summary(*summary)
+                if self.json_logs:
+                    self.log.warning(json.dumps(ev.to_dict()))
+                else:
+                    self.log.warning(render_blocking(ev))
+                logged = True
+            finally:
+                if not logged:
+                    # (a handler raised, e.g. GreenletExit: the event is
+                    # requeued, and its site must let it through then)
+                    sites.undo(admitted)
         except Exception as e:
             self._internal_error("logging", e)
+
+    def _log_blocking_summaries(self, force=False):
+        """One line per site whose interval ended with WARNINGs held back:
+        how many, and the longest."""
+        try:
+            for summary in self._blocking_sites.expired(_monotonic(),
+                                                         force):
+                _ensure_visible(self.log)
+                self._log_summary(*summary)
+        except Exception as e:
+            self._internal_error("logging", e)
+
+    def _log_summary(self, site, n, longest, seconds):
+        if self.json_logs:
+            self.log.warning(json.dumps({
+                "schema": "greqprof.blocking_summary/1", "site": site,
+                "not_logged": n, "longest": longest, "interval": seconds}))
+        else:
+            self.log.warning(
+                "Blocking spans not logged: %d more at %s within %g s of "
+                "its last WARNING (the longest %.1f ms)"
+                % (n, safe(site, 400), seconds, longest * 1000.0))
 
     def _deliver(self, profile):
         if self.report:
             try:
-                if self.json_logs:
-                    self.log.info(profile.to_json())
-                elif self.log.isEnabledFor(logging.INFO):
-                    self.log.info(profile.report())
+                log = self.log
+                _ensure_visible(log)
+                if log.isEnabledFor(logging.INFO) and _would_emit(log):
+                    if self.json_logs:
+                        log.info(profile.to_json(
+                            max_bytes=self.json_max_bytes))
+                    else:
+                        log.info(profile.report())
             except Exception as e:
                 self._internal_error("logging", e)
         if self.sink is not None:
@@ -823,6 +897,182 @@ def _flush_at_exit():
 atexit.register(_flush_at_exit)
 
 
+# -- visible by default (issue 16, item 4) ----------------------------------
+
+class _DefaultHandler(logging.StreamHandler):
+    """The handler greqprof adds to its logger when nothing in the logger's
+    hierarchy has one (werkzeug does the same for its own logger): reports
+    and WARNINGs go to stderr.  It steps aside as soon as any other handler
+    appears in the hierarchy, so the application's logging configuration,
+    made before or after, wins."""
+
+    def __init__(self, logger, set_level):
+        super().__init__()
+        self._logger = logger
+        self._set_level = set_level   # we set the logger's level to INFO
+        self.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s [%(name)s] %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr   # (the current one: it may be replaced)
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+    def emit(self, record):
+        if self._others():
+            self._retire()
+            return   # (the record goes on to the application's handlers)
+        super().emit(record)
+
+    def _others(self):
+        c = self._logger
+        while c is not None:
+            for h in c.handlers:
+                if h is not self:
+                    return True
+            if not c.propagate:
+                return False
+            c = c.parent
+        return False
+
+    def _retire(self):
+        self._logger.removeHandler(self)
+        if self._set_level and self._logger.level == logging.INFO:
+            self._logger.setLevel(logging.NOTSET)
+
+
+def _ensure_visible(logger):
+    """On a logger's first use by greqprof: when no handler anywhere in its
+    hierarchy would print (logging.lastResort does not count: it prints
+    WARNINGs only, and only the message), adds a _DefaultHandler."""
+    if logger.name in _checked_loggers:
+        return
+    with _checked_lock:   # (threads: one handler, not one each)
+        if logger.name in _checked_loggers:
+            return
+        if len(_checked_loggers) >= 1000:   # (logger names a user passes)
+            _checked_loggers.clear()
+        if not logger.hasHandlers():
+            set_level = logger.level == logging.NOTSET
+            logger.addHandler(_DefaultHandler(logger, set_level))
+            if set_level:
+                logger.setLevel(logging.INFO)
+        _checked_loggers.add(logger.name)
+
+
+_checked_loggers = set()
+_checked_lock = threading.Lock()
+
+
+def _would_emit(logger, level=logging.INFO):
+    """Some handler the record would reach takes ``level`` (levels only;
+    filters are the handlers' business).  A report nobody would print is
+    not rendered."""
+    c = logger
+    found = False
+    while c is not None:
+        for h in c.handlers:
+            found = True
+            if level >= h.level:
+                return True
+        if not c.propagate:
+            break
+        c = c.parent
+    # (no handler at all: logging.lastResort, which takes WARNING and up)
+    return not found and level >= logging.lastResort.level \
+        if logging.lastResort is not None else False
+
+
+# -- blocking WARNINGs that do not flood (issue 16, item 5) ------------------
+
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
+_NOT_APP = (os.sep + "gevent" + os.sep, os.sep + "greenlet" + os.sep)
+
+
+def blocking_site(ev):
+    """The code that held the loop: "function (file:line)" of the innermost
+    app frame (not gevent's, greenlet's or greqprof's) of the watchdog's
+    stack, else of the switch-out stack; else the greenlet's function."""
+    for stack in (ev.sampled_stack, ev.stack):
+        if not stack:
+            continue
+        for line in reversed(stack.rstrip("\n").split("\n")):
+            m = _FRAME.match(line)
+            if m is None:
+                continue
+            filename = m.group(1)
+            if filename.startswith(_OWN_DIR) or \
+                    any(d in filename for d in _NOT_APP):
+                continue
+            return "%s (%s:%s)" % (m.group(3), filename, m.group(2))
+    return ev.fn_name or ev.greenlet_name or "greenlet %d" % ev.greenlet_id
+
+
+class _BlockingSites:
+    """Per site, when its last WARNING was logged and what was held back
+    since; at most MAX sites (past that the oldest is summed up early)."""
+
+    MAX = 1000
+
+    def __init__(self, interval):
+        self.interval = interval
+        self.sites = {}   # site -> [logged_at, not_logged, longest]
+        self.pending = []  # summaries due before the next WARNING
+
+    def admit(self, ev, now):
+        """Truthy: log ev now (pass it to undo() if that failed).  False:
+        counted against its site instead."""
+        if self.interval <= 0:
+            return True
+        site = blocking_site(ev)
+        entry = self.sites.get(site)
+        if entry is not None and now - entry[0] < self.interval:
+            entry[1] += 1
+            entry[2] = max(entry[2], ev.wall)
+            return False
+        if entry is None and len(self.sites) >= self.MAX:
+            self._make_room(now)
+        if entry is not None and entry[1]:
+            # (its summary was not printed yet: it goes with this one)
+            self.pending.append((site, entry[1], entry[2], self.interval))
+            entry = [entry[0], 0, 0.0]
+        self.sites[site] = [now, 0, 0.0]
+        return (site, entry)
+
+    def undo(self, admitted):
+        """Forgets that admit() let an event through (it was not logged)."""
+        if admitted is True:
+            return
+        site, previous = admitted
+        if previous is None:
+            self.sites.pop(site, None)
+        else:
+            self.sites[site] = previous
+
+    def _make_room(self, now):
+        for site in list(self.sites)[:self.MAX // 4]:
+            entry = self.sites.pop(site)
+            if entry[1]:
+                self.pending.append((site, entry[1], entry[2],
+                                     self.interval))
+
+    def expired(self, now, force=False):
+        """(site, not_logged, longest seconds, interval) of the sites
+        whose interval ended with WARNINGs held back; those sites are
+        forgotten."""
+        out = self.pending
+        self.pending = []
+        for site, entry in list(self.sites.items()):
+            if force or now - entry[0] >= self.interval:
+                del self.sites[site]
+                if entry[1]:
+                    out.append((site, entry[1], entry[2], self.interval))
+        return out
+
+
 def _forget(eng, req):
     """req leaves the engine's dicts of open requests."""
     if eng.requests.get(req.gid) is req:
@@ -906,3 +1156,19 @@ class _UnsampledRequest:
         self.request_id = rid or None
         self.profile = None
         self.blocking = []
+
+
+def _show_defaults(init):
+    """help(ProfilingMiddleware) shows each option's real default, not the
+    UNSET marker that lets GREQPROF_* variables fill it in."""
+    import inspect
+    defaults = {opt: default for opt, _parse, default
+                in config.VARIABLES.values()}
+    sig = inspect.signature(init)
+    init.__signature__ = sig.replace(parameters=[
+        p.replace(default=defaults[p.name])
+        if p.default is UNSET and p.name in defaults else p
+        for p in sig.parameters.values()])
+
+
+_show_defaults(ProfilingMiddleware.__init__)

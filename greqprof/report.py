@@ -1,14 +1,26 @@
 """Plain-text rendering of RequestProfile and BlockingEvent.
 
 Everything that came from a request (path, method, names) goes through
-``safe()`` so a crafted request cannot forge log lines."""
-import datetime
-import re
+``safe()`` so a crafted request cannot forge log lines.
 
-from ._text import clean
+The report is rendered once per sampled request when reports are logged,
+so its common case is kept cheap: a profile still in its deferred form
+(_sampled.c's build_profile) is rendered straight from the packed rows C
+read out, without building a Span object per span (``_raw_parts``); any
+other profile from its records (``_record_parts``).  Both feed the same
+formatting, so the text is the same either way."""
+import heapq
+import time
+
+from ._text import clean, clean_lines
 
 MAX_FIELD = 1024
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: spans the default report shows (the longest ones, in start order)
+DEFAULT_SPANS = 10
+#: greenlet lines the default report shows (by CPU, then wall time)
+DEFAULT_GREENLETS = 20
+#: wait sites the report shows
+DEFAULT_WAITS = 5
 
 
 def safe(text, limit=MAX_FIELD):
@@ -25,10 +37,25 @@ def safe(text, limit=MAX_FIELD):
     return clean(text)
 
 
+def _clean_safe(text, limit=MAX_FIELD):
+    """safe() of text cleaned first, as the records' names and stacks are
+    when a deferred profile is built (_collect): what the C renderer calls
+    for a name that is not plain printable ASCII, so its report is the
+    records' report."""
+    return safe(clean(text), limit)
+
+
+def _indent_clean_stack(stack):
+    return _indent_stack(clean_lines(stack))
+
+
 def _utc(ts):
+    # (time.gmtime + strftime costs a third of datetime's formatting)
     try:
-        return datetime.datetime.fromtimestamp(
-            ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+        us = int(round(ts * 1e6))
+        secs, us = divmod(us, 1000000)
+        return "%s.%06d UTC" % (time.strftime("%Y-%m-%d %H:%M:%S",
+                                              time.gmtime(secs)), us)
     except (OverflowError, OSError, ValueError, TypeError):
         return "-"   # (a hand-made profile's impossible time)
 
@@ -43,24 +70,57 @@ def _indent_stack(stack):
     return "\n".join(safe(line, 400) for line in stack.rstrip("\n").split("\n"))
 
 
+#: names gevent and greenlet give a greenlet nobody named
+_GENERIC = ("Greenlet", "greenlet", "")
+
+
+def label(name, fn_name):
+    """What a greenlet is called in reports: its name, or for a greenlet
+    nobody named (gevent's "Greenlet", "Greenlet-3", greqprof's
+    "greenlet-3") its function."""
+    if fn_name and (name in _GENERIC or name.startswith(("Greenlet-",
+                                                         "greenlet-"))):
+        return fn_name
+    return name
+
+
+def _who(gid, name, fn_name):
+    """"greenlet 3 name (function)", without repeating what is known."""
+    text = "greenlet %d" % gid
+    lab = label(name or "", fn_name or "")
+    if lab and lab != "greenlet-%d" % gid:
+        text += " " + safe(lab, 200)
+    if fn_name and fn_name != lab:
+        text += " (%s)" % safe(fn_name, 300)
+    return text
+
+
 def render_span(s):
-    lines = [
-        "Span(",
-        "  greenlet_id=%d," % s.greenlet_id,
-        "  greenlet_name=%s," % safe(s.greenlet_name, 200),
-        "  start_time=%.1f," % (s.start * 1000.0),
-        "  end_time=%.1f," % (s.end * 1000.0),
-        "  duration=%s," % _ms(s.wall),
-        "  cpu=%s," % _ms(s.cpu),
-        "  finished=%s," % s.finished,
-        "  fn_name=%s," % safe(s.fn_name, 300),
-    ]
-    if s.stack:
-        lines.append("  stack_trace=" + _indent_stack(s.stack).lstrip())
-    else:
-        lines.append("  stack_trace=None")
-    lines.append(")")
-    return "\n".join(lines)
+    """One ``Span(...)`` record (a Span, on one line; its stack, when it
+    has one, on the indented lines below)."""
+    return _span_line(s.greenlet_id, s.greenlet_name, s.fn_name, s.start,
+                      s.end, s.wall, s.cpu, s.finished, s.stack)
+
+
+_SPAN = ("Span(greenlet_id=%d, greenlet_name=%s, start_time=%.1f, "
+         "end_time=%.1f, duration=%.1f ms, cpu=%s, finished=%s, "
+         "fn_name=%s, stack_trace=%s)")
+
+
+def _span_line(gid, name, fn, start, end, wall, cpu, finished, stack,
+               _cache=None):
+    key = (name, fn)
+    shown = _cache.get(key) if _cache is not None else None
+    if shown is None:
+        shown = (safe(label(name or "", fn or ""), 200), safe(fn, 300))
+        if _cache is not None:
+            _cache[key] = shown
+    return _SPAN % (gid, shown[0], start * 1000.0, end * 1000.0,
+                    wall * 1000.0,
+                    "-" if cpu is None else "%.1f ms" % (cpu * 1000.0),
+                    finished, shown[1],
+                    "None" if not stack else
+                    "\n" + _indent_stack(stack))
 
 
 def render_calls(calls, limit=25):
@@ -76,67 +136,295 @@ def render_calls(calls, limit=25):
     return "\n".join(lines)
 
 
-def render_text(p, max_spans=100, calls_limit=25):
+# ---------------------------------------------------------------------------
+# the report
+
+class _Parts:
+    """What the report shows, from either source: spans as
+    (greenlet_id, name, fn, start, end, wall, cpu, finished, stack) in start
+    order (only those shown, plus the total), greenlets as (id, name, fn,
+    cpu, wall, switches)."""
+    __slots__ = ("spans", "n_spans", "greenlets", "n_greenlets", "cpu",
+                 "longest_cpu", "wait_s", "wait_top", "wait_complete")
+
+
+def _pick(n, items, key):
+    """The n largest of items by key, in their original order (all when n
+    is None or covers them)."""
+    if n is None or len(items) <= n:
+        return items
+    keep = set(map(id, heapq.nlargest(n, items, key=key)))
+    return [x for x in items if id(x) in keep]
+
+
+def _record_parts(p, n_spans, n_greenlets):
+    parts = _Parts()
+    spans = sorted(p.spans, key=lambda s: s.start)
+    parts.n_spans = len(spans)
+    parts.spans = [(s.greenlet_id, s.greenlet_name, s.fn_name, s.start,
+                    s.end, s.wall, s.cpu, s.finished, s.stack)
+                   for s in _pick(n_spans, spans, lambda s: s.wall)]
+    cpus = [s.cpu for s in spans if s.cpu is not None]
+    lc = p.longest_cpu_span
+    parts.longest_cpu = max(cpus) if cpus else (lc.cpu if lc else None)
+    gs = [(g.id, g.name, g.fn_name, g.cpu, g.wall, g.switches)
+          for g in p.greenlets]
+    parts.n_greenlets = len(gs)
+    parts.greenlets = _pick(n_greenlets, gs,
+                            lambda g: (g[3] or 0.0, g[4]))
+    parts.cpu = p.cpu
+    w = p.waiting
+    parts.wait_s, parts.wait_complete = w.seconds, w.complete
+    parts.wait_top = [(t.greenlet_id, t.name, t.fn_name, t.seconds)
+                      for t in w.top]
+    return parts
+
+
+def _raw_parts(raw, n_spans, n_greenlets):
+    """_Parts straight from read_profile's tuple (see
+    _collect.request_records, whose records these lines must match)."""
+    from ._collect import (GREENLET_ROW, SPAN_ROW, _clean_names,
+                           _clean_stacks, request_names)
+    (span_rows, greenlet_rows, _longest, _end, wait_ns, top, complete,
+     _ds, _dc, epoch0, wall0, names, stacks) = raw[:13]
+    names = request_names(_clean_names(names))
+    stacks = _clean_stacks(stacks)
+    parts = _Parts()
+    rows = list(SPAN_ROW.iter_unpack(span_rows))
+    rows.sort(key=lambda r: r[1])   # (_collect sorts spans by start too)
+    parts.n_spans = len(rows)
+    if rows:
+        cpu_max = max(r[3] for r in rows)
+        parts.longest_cpu = cpu_max * 1e-9 if cpu_max >= 0 else None
+    else:
+        parts.longest_cpu = None
+    shift = epoch0 - wall0
+    st = stacks or {}
+    out = []
+    nf = ("", "")
+    for gid, start, end, cpu, flags, tag in _pick(
+            n_spans, rows, lambda r: r[2] - r[1]):
+        name, fn = names.get(gid) or ("greenlet-%d" % gid, "")
+        out.append((gid, name, fn, (start + shift) * 1e-9,
+                    (end + shift) * 1e-9, (end - start) * 1e-9,
+                    None if cpu < 0 else cpu * 1e-9, bool(flags & 1),
+                    st.get(tag) if tag else None))
+    parts.spans = out
+    gs = []
+    total_cpu = 0
+    any_cpu = False
+    for gid, wall, cpu, sw, _f, _l, _fin in GREENLET_ROW.iter_unpack(
+            greenlet_rows):
+        name, fn = names.get(gid) or nf
+        if not name and not fn:
+            name = "greenlet-%d" % gid
+        if cpu >= 0:
+            total_cpu += cpu
+            any_cpu = True
+        gs.append((gid, name, fn, None if cpu < 0 else cpu * 1e-9,
+                   wall * 1e-9, sw))
+    gs.sort()
+    parts.n_greenlets = len(gs)
+    parts.greenlets = _pick(n_greenlets, gs, lambda g: (g[3] or 0.0, g[4]))
+    parts.cpu = total_cpu * 1e-9 if any_cpu else None
+    parts.wait_s, parts.wait_complete = wait_ns * 1e-9, complete
+    wt = []
+    for gid, ns, n in top:
+        name, fn = n or ("greenlet-%d" % gid, "")
+        if fn and fn.startswith("greqprof."):
+            continue  # (as request_records: greqprof's own greenlets)
+        wt.append((gid, clean(name) or "", clean(fn) or "", ns * 1e-9))
+    parts.wait_top = wt
+    return parts
+
+
+def _parts(p, n_spans, n_greenlets):
+    loader = p.__dict__.get("_loader")
+    if loader is not None:
+        from ._collect import request_records
+        if loader[0] is request_records:
+            try:
+                return _raw_parts(loader[1], n_spans, n_greenlets)
+            except (TypeError, ValueError):
+                pass   # (a layout this version does not know: records)
+    return _record_parts(p, n_spans, n_greenlets)
+
+
+def _waits(p):
+    """(p.waits, p.dropped_waits), without building a deferred profile's
+    other fields (its spans: what the C renderer avoids) to read them."""
+    d = p.__dict__
+    if "waits" in d:
+        return d["waits"] or (), d.get("dropped_waits") or 0
+    loader = d.get("_loader")
+    if loader is not None:
+        if "waits" not in type(p).DEFERRED:
+            return (), 0
+        if loader[0] is _request_records():
+            waits = _raw_waits(loader[1])
+            if waits is not None:
+                return waits
+    return getattr(p, "waits", None) or (), \
+        getattr(p, "dropped_waits", 0) or 0
+
+
+class _Wait:
+    """A wait site read from the rows (the fields render_waits reads)."""
+    __slots__ = ("fn_name", "filename", "lineno", "stack", "seconds",
+                 "count", "greenlets")
+
+    def __init__(self, fn_name, filename, lineno, stack, seconds, count,
+                 greenlets):
+        self.fn_name, self.filename, self.lineno = fn_name, filename, lineno
+        self.stack, self.seconds, self.count = stack, seconds, count
+        self.greenlets = greenlets
+
+
+def _raw_waits(raw):
+    """A deferred profile's (wait sites, largest first; waits not
+    recorded) from its rows (read_profile's item 13: (site rows, dropped,
+    events), the layout _collect.wait_sites reads), without the per-event
+    records that building every field would make; None when the rows are
+    not in that layout."""
+    if len(raw) <= 13:
+        return (), 0
+    try:
+        rows, dropped, _events = raw[13]
+        out = [_Wait(fn, filename, line, stack, ns * 1e-9, count, greenlets)
+               for fn, filename, line, stack, ns, count, greenlets in rows]
+        dropped = int(dropped)
+    except (TypeError, ValueError):
+        return None
+    out.sort(key=lambda w: -w.seconds)   # (stable, as wait_sites)
+    return out, dropped
+
+
+_HEAD = """>>> Begin RequestProfile
+  Path: %s
+  Method: %s
+  Status: %s%s
+  Pid: %d
+  Start time: %s
+  End time: %s
+  Elapsed wall time: %s
+  Elapsed CPU time: %s
+  Number of spans: %d
+  Longest span CPU time: %s
+  Greenlets: %d"""
+
+
+def _c_renderer():
+    """_registry.render_rows (_render.c), or None when it is missing."""
+    from . import _lowlevel, _registry
+    try:
+        if _lowlevel.lib.gqp_render_init() == 0:
+            return _registry.render_rows
+    except AttributeError:   # (a _core built before _render.c)
+        pass
+    return None
+
+
+_render_rows = _c_renderer()
+
+
+def _request_records():
+    # (imported on first use: _collect imports this package's records)
+    global _records_loader
+    if _records_loader is None:
+        from ._collect import request_records
+        _records_loader = request_records
+    return _records_loader
+
+
+_records_loader = None
+
+
+def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
+                greenlets=DEFAULT_GREENLETS, max_spans=None):
     """The RequestProfile report in the classic gevent request profiler
-    format, followed by waiting time and the function table."""
-    longest_cpu = p.longest_cpu_span
-    out = [
-        ">>> Begin RequestProfile",
-        "  Path: %s" % safe(p.path),
-        "  Method: %s" % safe(p.method, 32),
-        "  Status: %s" % safe(p.status, 64),
-    ]
-    if p.request_id:
-        out.append("  Request id: %s" % safe(p.request_id, 128))
-    out += [
-        "  Pid: %d" % p.pid,
-        "  Start time: %s" % _utc(p.start),
-        "  End time: %s" % _utc(p.end),
-        "  Elapsed wall time: %s" % _ms(p.wall),
-        "  Elapsed CPU time: %s" % _ms(p.cpu),
-        "  Number of spans: %d" % (len(p.spans) + p.dropped_spans),
-        "  Longest span CPU time: %s"
-        % _ms(longest_cpu.cpu if longest_cpu else None),
-        "  Greenlets: %d" % len(p.greenlets),
-    ]
-    if p.dropped_spans:
-        out.append("  Spans dropped (max_spans reached): %d"
-                   % p.dropped_spans)
-    if p.error:
-        out.append("  Error: %s" % safe(p.error, 300))
-    for s in p.spans[:max_spans]:
-        out.append(render_span(s))
-    if len(p.spans) > max_spans:
-        out.append("... %d more spans not shown" % (len(p.spans) - max_spans))
-    out.append("Waiting: %s while other greenlets ran%s" % (
-        _ms(p.waiting.seconds),
-        "" if p.waiting.complete else " (history incomplete)"))
-    for w in p.waiting.top:
-        who = "greenlet %d" % w.greenlet_id
-        if w.name and w.name != "greenlet-%d" % w.greenlet_id:
-            who += " " + safe(w.name, 200)
-        if w.fn_name:
-            who += " (%s)" % safe(w.fn_name, 300)
-        out.append("  %10s  %s" % (_ms(w.seconds), who))
-    out += render_waits(p.waits, dropped=p.dropped_waits)
+    format: the header, one line per greenlet, the ``spans`` longest spans
+    (None: all) in start order, waiting time, wait sites, blocking spans
+    and the function table.  ``max_spans`` is the old name of ``spans``."""
+    if max_spans is not None:
+        spans = max_spans
+    d = p.__dict__
+    loader = d.get("_loader")
+    if loader is not None and _render_rows is not None:
+        if loader[0] is _request_records():
+            # (C writes the wait sites too; the common report has no
+            # section after them: C writes the end line too, saving a copy
+            # of the text)
+            last = not d.get("blocking") and d.get("calls") is None
+            text = _render_rows(d, loader[1], spans, greenlets, safe,
+                                _indent_clean_stack, last, _clean_safe)
+            if text is not None:
+                return text if last else _tail(p, [text], calls_limit,
+                                               waits=False)
+    return _render_py(p, spans, calls_limit, greenlets)
+
+
+def _tail(p, out, calls_limit, waits=True):
+    """The report's sections after the waiting lines (after the wait
+    sites with waits=False), then its end."""
+    if waits:
+        sites, dropped = _waits(p)
+        out.extend(render_waits(sites, DEFAULT_WAITS, dropped))
     for b in p.blocking:
-        out.append("Blocking span: %s (CPU %s) in greenlet %d %s (%s)" % (
-            _ms(b.wall), _ms(b.cpu), b.greenlet_id,
-            safe(b.greenlet_name, 200), safe(b.fn_name, 300)))
+        out.append("Blocking span: %s (CPU %s) in %s" % (
+            _ms(b.wall), _ms(b.cpu),
+            _who(b.greenlet_id, b.greenlet_name, b.fn_name)))
     if p.calls is not None:
         out.append(render_calls(p.calls, calls_limit))
     out.append("<<< End RequestProfile")
     return "\n".join(out)
 
 
+def _render_py(p, spans, calls_limit, greenlets):
+    """render_text in Python (any profile; the C path's reference)."""
+    parts = _parts(p, spans, greenlets)
+    n_total = parts.n_spans + p.dropped_spans
+    out = [_HEAD % (
+        safe(p.path), safe(p.method, 32), safe(p.status, 64),
+        "\n  Request id: %s" % safe(p.request_id, 128)
+        if p.request_id else "",
+        p.pid, _utc(p.start), _utc(p.end), _ms(p.wall), _ms(parts.cpu),
+        n_total, _ms(parts.longest_cpu), parts.n_greenlets)]
+    if p.dropped_spans:
+        out.append("  Spans dropped (max_spans reached): %d"
+                   % p.dropped_spans)
+    if p.error:
+        out.append("  Error: %s" % safe(p.error, 300))
+    if parts.greenlets:
+        out.append("Greenlets (CPU, wall, switches):")
+        for gid, name, fn, cpu, wall, sw in parts.greenlets:
+            out.append("  %10s %10s %6d  %s" % (
+                _ms(cpu), _ms(wall), sw, _who(gid, name, fn)))
+        if parts.n_greenlets > len(parts.greenlets):
+            out.append("  ... %d more greenlets"
+                       % (parts.n_greenlets - len(parts.greenlets)))
+    cache = {}
+    for s in parts.spans:
+        out.append(_span_line(*s, _cache=cache))
+    hidden = parts.n_spans - len(parts.spans)
+    if hidden > 0:
+        out.append("... %d more spans not shown (the %d longest are shown, "
+                   "in start order; report(spans=None) shows all)"
+                   % (hidden, len(parts.spans)))
+    out.append("Waiting: %s while other greenlets ran%s" % (
+        _ms(parts.wait_s),
+        "" if parts.wait_complete else " (history incomplete)"))
+    for gid, name, fn, seconds in parts.wait_top:
+        out.append("  %10s  %s" % (_ms(seconds), _who(gid, name, fn)))
+    return _tail(p, out, calls_limit)
+
+
 def render_blocking(b):
     """The WARNING text for a blocking span."""
     where = ("during %s %s" % (safe(b.method, 32), safe(b.path))
              if b.path is not None else "outside any request")
-    head = ("Blocking span: greenlet %d %s (%s) held the event loop for %s "
-            "(CPU %s) %s" % (b.greenlet_id, safe(b.greenlet_name, 200),
-                             safe(b.fn_name, 300), _ms(b.wall), _ms(b.cpu),
-                             where))
+    head = ("Blocking span: %s held the event loop for %s (CPU %s) %s"
+            % (_who(b.greenlet_id, b.greenlet_name, b.fn_name), _ms(b.wall),
+               _ms(b.cpu), where))
     if b.request_id:
         head += " [request id %s]" % safe(b.request_id, 128)
     parts = [head]

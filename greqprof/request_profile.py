@@ -67,6 +67,95 @@ def parse_json(data):
             from None
 
 
+def _flat(record):
+    """asdict() of a record whose fields are plain values (Span,
+    GreenletStat): its instance dict, which holds the fields in order
+    (asdict deep-copies field by field: ~10x slower)."""
+    d = getattr(record, "__dict__", None)
+    return dict(d) if d is not None else asdict(record)
+
+
+def _func(f):
+    """FuncStat.to_dict(), without asdict's recursion."""
+    d = getattr(f, "__dict__", None)
+    if d is None:
+        return f.to_dict()
+    d = dict(d)
+    d["children"] = tuple(_flat(c) for c in f.children)
+    d["tavg"] = f.tavg
+    return d
+
+
+def _size(text, kw):
+    return (len(text) if kw.get("ensure_ascii", True)
+            else len(text.encode("utf-8", "surrogatepass")))
+
+
+def _fit(d, max_bytes, kw):
+    """json.dumps(d) cut to at most max_bytes (see RequestProfile.to_json):
+    callees per function to the 5 largest, then the spans (the longest,
+    kept in start order) and the functions (by inclusive time) halved in
+    turn, then the blocking events' stacks and the greenlets."""
+    cut = {"spans": 0, "calls": 0, "children": 0}
+    d = dict(d)
+    d["cut"] = cut
+
+    def text():
+        return json.dumps(d, **kw)
+
+    calls = d.get("calls")
+    if calls:
+        calls = [dict(f) for f in calls]
+        for f in calls:
+            kids = f.get("children") or []
+            if len(kids) > 5:
+                cut["children"] += len(kids) - 5
+                f["children"] = kids[:5]
+        d["calls"] = calls
+    spans = d["spans"]
+    out = text()
+    while _size(out, kw) > max_bytes and (spans or d.get("calls") or
+                                          d.get("wait_events")):
+        calls = d.get("calls") or []
+        events = d.get("wait_events") or []
+        if events and len(events) >= len(spans) and \
+                len(events) >= 2 * len(calls):
+            # (the timeline's waits: the longest kept, in order)
+            keep = len(events) // 2
+            order = sorted(range(len(events)), key=lambda i: -(
+                events[i].get("end", 0) - events[i].get("start", 0)))[:keep]
+            cut["wait_events"] = cut.get("wait_events", 0) + \
+                len(events) - keep
+            d["wait_events"] = [events[i] for i in sorted(order)]
+        elif len(calls) * 2 > len(spans) or not spans:
+            keep = len(calls) // 2
+            cut["calls"] += len(calls) - keep
+            d["calls"] = calls[:keep]
+        else:
+            keep = len(spans) // 2
+            order = sorted(range(len(spans)),
+                           key=lambda i: -spans[i]["wall"])[:keep]
+            cut["spans"] += len(spans) - keep
+            spans = d["spans"] = [spans[i] for i in sorted(order)]
+        out = text()
+    if _size(out, kw) > max_bytes:
+        for key in ("blocking", "greenlets", "waits"):
+            if d.get(key):
+                cut[key] = len(d[key])
+                d[key] = []
+        d["longest_span"] = d["longest_span"] and dict(
+            d["longest_span"], stack=None)
+        out = text()
+    if _size(out, kw) > max_bytes:
+        # (only the header is left: cap its free text, the request's)
+        for key in ("path", "error", "request_id", "status", "method"):
+            if isinstance(d.get(key), str) and len(d[key]) > 256:
+                d[key] = d[key][:256] + "...[cut]"
+        d["waiting"] = dict(d["waiting"], top=[])
+        out = text()
+    return out
+
+
 @dataclass(frozen=True)
 class WaitedOn:
     """A greenlet that ran while the request waited (seconds)."""
@@ -145,8 +234,10 @@ class BlockingEvent:
     hostname: str = ""
 
     def to_dict(self):
-        d = asdict(self)
-        d["schema"] = "greqprof.blocking/1"
+        # "schema" first: line-oriented filters (docs/production.md's jq,
+        # grep) tell blocking events from profiles by the line's start.
+        d = {"schema": "greqprof.blocking/1"}
+        d.update(asdict(self))
         return d
 
 
@@ -251,25 +342,37 @@ class RequestProfile:
             "truncated": bool(self.truncated),
             "dropped_spans": self.dropped_spans,
             "dropped_calls": self.dropped_calls,
-            "spans": [s.to_dict() for s in self.spans],
-            "longest_span": (self.longest_span.to_dict()
+            "spans": [_flat(s) for s in self.spans],
+            "longest_span": (_flat(self.longest_span)
                              if self.longest_span else None),
             "waiting": {
                 "seconds": self.waiting.seconds,
                 "complete": self.waiting.complete,
                 "top": [asdict(w) for w in self.waiting.top],
             },
-            "greenlets": [g.to_dict() for g in self.greenlets],
+            "greenlets": [_flat(g) for g in self.greenlets],
             "blocking": [b.to_dict() for b in self.blocking],
             "waits": [w.to_dict() for w in self.waits],
             "dropped_waits": self.dropped_waits,
             "wait_events": [asdict(e) for e in self.wait_events],
-            "calls": ([f.to_dict() for f in self.calls]
+            "calls": ([_func(f) for f in self.calls]
                       if self.calls is not None else None),
         }
 
-    def to_json(self, **kw):
-        return json.dumps(self.to_dict(), **kw)
+    def to_json(self, max_bytes=None, **kw):
+        """The profile as one JSON text (``json.dumps`` keywords in kw).
+
+        max_bytes: when given and the JSON would be longer, the function
+        table (each function's callees first) and the spans are cut to
+        their largest entries until it fits, and ``"cut"`` counts what was
+        left out, e.g. ``{"spans": 120, "calls": 3400, "children": 900}``
+        (see docs/schema.md).  Log lines use it (``json_max_bytes``);
+        sinks, files and the inspector get everything."""
+        d = self.to_dict()
+        text = json.dumps(d, **kw)
+        if max_bytes is None or _size(text, kw) <= max_bytes:
+            return text
+        return _fit(d, max_bytes, kw)
 
     # (from_dict, save, load below)
 

@@ -105,3 +105,37 @@ def test_load_benchmark_runs(tmp_path):
         mw = run["middleware"]
         # the middleware really sampled under load, and nothing failed
         assert 0 < mw["sampled"] < mw["requests"] and mw["errors"] == 0
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None,
+                    reason="wrk (Debian package) is not installed")
+def test_load_benchmark_logs_reports_on_the_api_app(tmp_path):
+    """Issue 16's configurations: GET /api (a child greenlet, a 1 ms sleep,
+    JSON), each sampled report logged at INFO to a file handler."""
+    out_json = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "load_overhead.py"),
+         "--quick", "--app", "api", "--only", "gqp-100pct-logged",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out_json.read_text())
+    assert data["parameters"]["path"].startswith("/api")
+    row = data["results"]["gqp-100pct-logged"]
+    assert row["status"] == "ok", row
+    for run in row["runs"]:
+        mw = run["middleware"]
+        # (pct=1.0: all but those over max_open profiles at once)
+        assert mw["sampled"] > 0 and mw["errors"] == 0
+        assert mw["sampled"] + mw["skipped_full"] == mw["requests"]
+        # every sampled profile was delivered (rendered and logged)
+        assert mw["delivered"] > 0
+
+
+def test_report_cost_runs():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "report_cost.py"),
+         "--quick"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "text report logged" in proc.stdout
+    assert 'bare `logger.info("x")`' in proc.stdout

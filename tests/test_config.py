@@ -98,6 +98,9 @@ READ = {
     "GREQPROF_OTEL": (otel, False),
     "GREQPROF_OTEL_SPANS": (otel_spans, []),
     "GREQPROF_ENABLED": (lambda mw: mw.enabled, True),
+    "GREQPROF_BLOCKING_INTERVAL": (
+        lambda mw: mw._blocking_sites.interval, 10.0),
+    "GREQPROF_JSON_MAX_BYTES": (lambda mw: mw.json_max_bytes, 65536),
 }
 
 SECRET = "s3cret-value-42"
@@ -148,6 +151,9 @@ VALID = [
     ("GREQPROF_OTEL_SPANS", "1", {}, []),  # without GREQPROF_OTEL: nothing
     ("GREQPROF_ENABLED", "0", {}, False),
     ("GREQPROF_ENABLED", "yes", {}, True),
+    ("GREQPROF_BLOCKING_INTERVAL", "0", {}, 0.0),
+    ("GREQPROF_BLOCKING_INTERVAL", " 2.5 ", {}, 2.5),
+    ("GREQPROF_JSON_MAX_BYTES", "16000", {}, 16000),
 ]
 
 HAVE_OTEL = True
@@ -217,6 +223,9 @@ INVALID = [
     ("GREQPROF_TRIGGER_HEADER", ""), ("GREQPROF_TRIGGER_SECRET", " "),
     ("GREQPROF_OTEL", "sometimes"), ("GREQPROF_OTEL_SPANS", "2"),
     ("GREQPROF_ENABLED", "disabled"), ("GREQPROF_ENABLED", ""),
+    ("GREQPROF_BLOCKING_INTERVAL", "-1"), ("GREQPROF_BLOCKING_INTERVAL", "x"),
+    ("GREQPROF_BLOCKING_INTERVAL", "nan"),
+    ("GREQPROF_JSON_MAX_BYTES", "100"), ("GREQPROF_JSON_MAX_BYTES", "64k"),
 ]
 
 @pytest.mark.parametrize("var,raw", INVALID,

@@ -962,7 +962,9 @@ def test_log_injection_through_path(serve, caplog, json_logs):
         time.sleep(0.12)  # also produce a blocking WARNING naming the path
         return echo_path(environ, start_response)
 
-    s = serve(app, pct=1.0, blocking_ms=100, json_logs=json_logs)
+    # (blocking_interval=0: one WARNING per request, all from one site)
+    s = serve(app, pct=1.0, blocking_ms=100, json_logs=json_logs,
+              blocking_interval=0)
     for t in INJECT_TARGETS:
         r = s.get(t)
         assert r.status == 200

@@ -160,14 +160,14 @@ def test_report_format(profiles):
     assert _field(text, "Greenlets") == str(len(p.greenlets))
     assert _field(text, "Start time").endswith(" UTC")
     assert "Spans dropped" not in text and "  Error:" not in text
-    # one block per span, in order
-    assert text.count("Span(") == len(p.spans)
-    ids = [int(x) for x in re.findall(r"^  greenlet_id=(\d+),$", text,
+    # one record per span shown (all of them: fewer than 10), in order
+    assert text.count("Span(") == len(p.spans) <= 10
+    ids = [int(x) for x in re.findall(r"^Span\(greenlet_id=(\d+), ", text,
                                       re.M)]
     assert ids == [s.greenlet_id for s in p.spans]
-    fns = re.findall(r"^  fn_name=(.*),$", text, re.M)
+    fns = re.findall(r" fn_name=(.*?), stack_trace=", text)
     assert fns == [s.fn_name for s in p.spans]
-    assert text.count("  stack_trace=") == len(p.spans)
+    assert text.count(" stack_trace=") == len(p.spans)
     assert len([sp for sp in p.spans if sp.long]) == 1
     assert re.search(r"^Waiting: \d+\.\d ms while other greenlets ran$",
                      text, re.M)
@@ -189,7 +189,7 @@ def test_long_span_and_blocking_event_both_have_the_stack(profiles):
     assert long[0].stack == p.blocking[0].stack
     assert p.longest_span.stack == long[0].stack
     text = p.report()
-    assert "  stack_trace=File " in text
+    assert " stack_trace=\n  File " in text
     assert _round_trip(p).spans == p.spans
 
 
@@ -277,3 +277,281 @@ def test_waiting_lines_name_only_what_is_known():
     assert lines[i + 1].split() == ["3.0", "ms", "greenlet", "7"]
     assert lines[i + 2].split() == ["1.0", "ms", "greenlet", "2", "Hub",
                                     "(gevent.hub.Hub.run)"]
+
+
+# ---------------------------------------------------------------------------
+# issue 16: a report people read (item 2) and greenlet names (item 7)
+
+def _child_sleeps(n):
+    for _ in range(n):
+        gevent.sleep(0)
+
+
+def sixty_spans_app(environ, start_response):
+    """The request's greenlet and three children: about 60 spans."""
+    kids = [gevent.spawn(_child_sleeps, 11) for _ in range(3)]
+    named = gevent.spawn(_child_sleeps, 2)
+    named.name = "poller"
+    for i in range(20):
+        if i == 7:
+            helper_in_request(20000)          # one clearly longer span
+        gevent.sleep(0)
+    gevent.joinall(kids + [named])
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def _span_records(text):
+    return re.findall(r"^Span\(greenlet_id=(\d+), greenlet_name=(.*?), "
+                      r"start_time=([\d.]+), end_time=([\d.]+), "
+                      r"duration=([\d.]+) ms, ", text, re.M)
+
+
+def test_report_of_60_spans_is_short_and_shows_the_longest(serve):
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty")
+    p = s.profile_for("/sixty")
+    assert len(p.spans) >= 60
+    text = p.report()
+    lines = text.split("\n")
+    assert len(lines) < 120, "%d lines" % len(lines)
+    assert lines[0] == ">>> Begin RequestProfile"
+    assert lines[-1] == "<<< End RequestProfile"
+    assert _field(text, "Number of spans") == str(len(p.spans))
+    shown = _span_records(text)
+    assert len(shown) == 10
+    assert ("... %d more spans not shown" % (len(p.spans) - 10)) in text
+    # the 10 longest, in start order
+    starts = [float(r[2]) for r in shown]
+    assert starts == sorted(starts)
+    shortest_shown = min(float(r[4]) for r in shown)
+    longest_hidden = sorted(sp.wall for sp in p.spans)[-11] * 1000.0
+    assert shortest_shown >= round(longest_hidden, 1)
+    assert max(sp.wall for sp in p.spans) * 1000.0 == pytest.approx(
+        max(float(r[4]) for r in shown), abs=0.06)
+    # spans=None: every span
+    full = p.report(spans=None)
+    assert len(_span_records(full)) == len(p.spans)
+    assert "more spans not shown" not in full
+
+
+def test_report_has_one_line_per_greenlet(serve):
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty")
+    p = s.profile_for("/sixty")
+    text = p.report()
+    lines = text.split("\n")
+    i = lines.index("Greenlets (CPU, wall, switches):")
+    rows = lines[i + 1:i + 1 + len(p.greenlets)]
+    assert len(p.greenlets) == 5
+    for g, row in zip(p.greenlets, rows):
+        cpu, _, wall, _, switches, rest = row.split(None, 5)
+        assert rest.startswith("greenlet %d " % g.id), row
+        assert cpu == "%.1f" % (g.cpu * 1000.0)
+        assert wall == "%.1f" % (g.wall * 1000.0)
+        assert int(switches) == g.switches
+    assert not lines[i + 1 + len(p.greenlets)].startswith("  ")
+
+
+def test_greenlets_are_named_after_the_request_and_their_function(serve):
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty?q=1")
+    p = s.profile_for("/sixty")
+    names = {g.name for g in p.greenlets}
+    assert "GET /sixty" in names
+    assert qualified_child in names
+    assert "poller" in names
+    assert not any(n.startswith("Greenlet") for n in names)
+    own = [g for g in p.greenlets if g.name == "GET /sixty"][0]
+    assert own.fn_name == "gevent.baseserver._handle_and_close_when_done"
+    assert {sp.greenlet_name for sp in p.spans} == names
+    text = p.report()
+    assert re.search(r"^ .* greenlet %d GET /sixty "
+                     r"\(gevent\.baseserver\._handle_and_close_when_done\)$"
+                     % own.id, text, re.M)
+    assert "greenlet_name=GET /sixty, " in text
+    # what the inspector's timeline shows
+    from greqprof.renderers.base import as_view
+    rows = {g.name for g in as_view(p).greenlet_rows()}
+    assert "GET /sixty" in rows and qualified_child in rows
+
+
+qualified_child = "%s._child_sleeps" % __name__
+
+
+def test_report_from_raw_rows_equals_report_from_records(serve):
+    """A deferred profile is rendered from the packed rows; once its
+    records are built, from them: the same text."""
+    s = serve(sixty_spans_app, pct=1.0, calls=False, blocking_ms=None)
+    s.get("/sixty")
+    s.get("/error")
+    s.wait_profiles(2)
+    for p in s.profiles:
+        assert "_loader" in p.__dict__
+        fast = p.report()
+        fast_all = p.report(spans=None)
+        assert "_loader" in p.__dict__     # (the rows, not the records)
+        p.spans  # noqa: B018  (builds the records)
+        assert "_loader" not in p.__dict__
+        assert p.report() == fast
+        assert p.report(spans=None) == fast_all
+        assert _round_trip(p).report() == fast
+
+
+def hostile_app(environ, start_response):
+    g = gevent.spawn(_child_sleeps, 2)
+    g.name = "evil\nname\u202e" + "n" * 300
+    g.join()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def test_c_rendering_equals_python_rendering_on_hostile_text(serve):
+    from greqprof import report
+    assert report._render_rows is not None      # (the C path is built)
+    s = serve(hostile_app, pct=1.0)
+    s.get("/caf%C3%A9/%E2%80%AEx%0Ay" + "z" * 1100,
+          headers=[("X-Request-Id", "r\u00e9q")])
+    p = s.wait_profiles(1)[0]
+    assert "_loader" in p.__dict__
+    for n in (10, 1, 0, None):
+        fast = p.report(spans=n)
+        assert fast == report._render_py(p, n, 25, 20)   # (from the rows)
+        assert "\u202e" not in fast and "\x80" not in fast
+        assert "evil\\x0aname\\u202e" in fast
+        assert fast.count("\n") == report._render_py(
+            p, n, 25, 20).count("\n")
+    assert "_loader" in p.__dict__
+    fast = p.report()
+    p.spans  # noqa: B018
+    assert p.report() == fast
+
+
+def _synthetic(seed, n_spans, n_greenlets):
+    """A deferred RequestProfile over made-up rows: durations on the .x5
+    ms boundaries where "%.1f" rounding is decided by the last bits."""
+    import random
+    from greqprof._collect import GREENLET_ROW, SPAN_ROW, request_records
+    rnd = random.Random(seed)
+    gids = [1 + i * 7 for i in range(n_greenlets)]
+    t = 10 ** 12 + rnd.randrange(10 ** 9)
+    spans = []
+    for i in range(n_spans):
+        wall = rnd.choice([rnd.randrange(1, 10 ** 7), 50000 * (2 * i + 1),
+                           150000, 250000, 350000, 1050000, 0])
+        cpu = rnd.choice([-1, wall, wall // 3, 50000 * (2 * i + 1)])
+        spans.append(SPAN_ROW.pack(rnd.choice(gids), t, t + wall, cpu,
+                                   rnd.choice([0, 1]), 0))
+        t += wall + rnd.randrange(0, 300000)
+    grows = [GREENLET_ROW.pack(g, rnd.randrange(10 ** 6),
+                               rnd.choice([-1, 450000, rnd.randrange(10 ** 6)]),
+                               rnd.randrange(50), 0, 0, 0) for g in gids]
+    names = {g: rnd.choice([("Greenlet", "app.f%d" % g), ("worker-%d" % g, ""),
+                            ("", ""), ("Greenlet-%d" % g, "m.g"),
+                            ("greenlet-%d" % g, ""), ("caf\u00e9\n", "x.y"),
+                            ("abcdefghij\x7fk", "m.h"),
+                            ("abcdefghijklmnop\x01", "m.i" * 120),
+                            ("Greenlet-", "m.j"), ("greenlet", "m.k")])
+             for g in gids}
+    top = ((2, 1250000, ("Hub", "gevent.hub.Hub.run")), (99, 50000, None),
+           (5, 10, ("greqprof.x", "greqprof.engine.f")))
+    raw = (b"".join(spans), b"".join(grows), None, t, 3450000, top,
+           bool(seed % 2), 0, 0, 1700000000 * 10 ** 9 + 123456789, 555,
+           names, {})
+    if seed % 3:
+        # wait sites (read_profile's item 13): ties, 1/many, a hostile name
+        sites = [("f%d" % i, "/srv/m%d.py" % (i % 3), i,
+                  ("a.py:1 in x",), rnd.choice([150000, 2500000, 10 ** 7]),
+                  rnd.choice([1, 2, 40]), rnd.choice([1, 3]))
+                 for i in range(seed)]
+        sites.append(("evil\u202e" + "w" * 250, "/srv/x.py", 7, (), 150000,
+                      1, 1))
+        # (rows as read_profile hands them: a tuple; a list works too)
+        raw = raw + ((tuple(sites) if seed % 2 else sites, seed % 2 * 5,
+                      b""),)
+    return RequestProfile(
+        method="GET", path="/s/%d" % seed, status="200 OK", start=1.7e9,
+        end=1.7e9 + 0.01, wall=0.01, cpu=None, spans=None, longest_span=None,
+        waiting=None, calls=None, dropped_spans=seed % 3, pid=4242,
+        request_id="r%d" % seed if seed % 2 else None), request_records, raw
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
+    from greqprof import report
+    p, loader, raw = _synthetic(seed, 5 + 13 * seed, 1 + seed * 3)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    p.__dict__["_loader"] = (loader, raw)
+    for n, g in ((10, 20), (None, None), (0, 0), (3, 1)):
+        fast = report._render_rows(p.__dict__, raw, n, g, report.safe,
+                                   report._indent_clean_stack, False,
+                                   report._clean_safe)
+        slow = report._render_py(p, n, 25, g)
+        assert fast + "\n<<< End RequestProfile" == slow
+        assert report._render_rows(p.__dict__, raw, n, g, report.safe,
+                                   report._indent_clean_stack, True,
+                                   report._clean_safe) == slow
+    if len(raw) > 13 and raw[13][0]:
+        assert "\nWaited at: (top " in slow
+    text = p.report()
+    p.spans  # noqa: B018
+    assert p.report() == text
+
+
+def test_text_files_keep_every_span(serve):
+    """The log report shows the 10 longest spans; a text file (the
+    "text" renderer: profile_dir, `view --format text`) shows them all."""
+    from greqprof.renderers import render
+    s = serve(sixty_spans_app, pct=1.0)
+    s.get("/sixty")
+    p = s.profile_for("/sixty")
+    text = render(p, "text")
+    assert len(_span_records(text)) == len(p.spans) > 10
+    assert "more spans not shown" not in text
+
+
+def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
+        monkeypatch):
+    """Wait sites are deferred fields (read_profile's item 13): the report
+    reads them from the rows, the spans are not built for it."""
+    from greqprof import report
+    p, loader, raw = _synthetic(3, 30, 6)
+    rows = [("read_slow", "/srv/net.py", 40, (), 5000000, 1, 1),
+            ("wait_upstream", "/srv/app.py", 12, (), 41200000, 3, 2)]
+    raw = raw + ((rows, 0, b""),)
+    calls = []
+
+    def counting_loader(arg):
+        calls.append(1)
+        return loader(arg)
+    monkeypatch.setattr(report, "_records_loader", counting_loader)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    p.__dict__["_loader"] = (counting_loader, raw)
+    text = p.report()
+    assert not calls, "the report built the deferred fields"
+    i = text.index("Waited at: (top 2 of 2 sites)")
+    lines = text[i:].split("\n")
+    assert lines[1].split()[:7] == ["41.2", "ms", "3", "waits", "2",
+                                    "greenlets", "wait_upstream"]
+    assert lines[2].split()[6] == "read_slow"
+    assert lines[-1] == "<<< End RequestProfile"
+    # the records say the same
+    p.spans  # noqa: B018
+    assert calls and p.report() == text
+
+
+def test_rows_the_c_renderer_does_not_know_fall_back_to_python():
+    from greqprof import report
+    p, loader, raw = _synthetic(4, 20, 4)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    for bad in (("not", "three"), ((("f", "x.py", "one", (), 1, 1, 1),), 0,
+                                   b""), (((),), 0, b"")):
+        odd = raw[:13] + (bad,)
+        assert report._render_rows(p.__dict__, odd, 10, 20, report.safe,
+                                   report._indent_clean_stack, True,
+                                   report._clean_safe) is None
+    assert report._render_rows(p.__dict__, raw[:5], 10, 20, report.safe,
+                               report._indent_clean_stack) is None

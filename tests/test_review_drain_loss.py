@@ -42,7 +42,9 @@ def test_drain_drops_the_rest(serve):
     log = logging.getLogger(LOGGER)
     log.addHandler(h)
     try:
-        s = serve(app, pct=1.0, blocking_ms=20, linger=0.1, report=False)
+        # (blocking_interval=0: both spans are burn()'s, one site)
+        s = serve(app, pct=1.0, blocking_ms=20, linger=0.1, report=False,
+                  blocking_interval=0)
         assert s.get("/warm").status == 200
         s.wait_profiles(1)
         try:
