@@ -268,6 +268,32 @@ def _waits(p):
         getattr(p, "dropped_waits", 0) or 0
 
 
+def _wait_rows(w):
+    """read_profile's item 13 (_hooks.c's read_waits: records, stats,
+    dropped, events) as the rows the renderers read: ((fn, filename,
+    line, stack, ns, count, greenlets), ...) in table order, and dropped."""
+    from ._collect import WAIT_SITE_ROW
+    records, stats, dropped, _events = w
+    rows = []
+    for rec, (_key, ns, count, gl, _tag, _r) in zip(
+            records, WAIT_SITE_ROW.iter_unpack(stats)):
+        # (a record the registry dropped: the site's time without a name)
+        _code, fn, filename, line, stack = rec or (None, "?", "", 0, ())
+        rows.append((fn, filename, line, stack, ns, count, gl))
+    return tuple(rows), dropped
+
+
+def _raw_for_c(raw):
+    """read_profile's rows with the wait sites (item 13) as the rows C's
+    renderer reads: (rows, dropped, events)."""
+    if len(raw) <= 13:
+        return raw
+    try:
+        return raw[:13] + (_wait_rows(raw[13]) + (b"",),)
+    except (TypeError, ValueError):
+        return raw[:13] + (None,)   # (C then declines: Python renders)
+
+
 class _Wait:
     """A wait site read from the rows (the fields render_waits reads)."""
     __slots__ = ("fn_name", "filename", "lineno", "stack", "seconds",
@@ -289,7 +315,7 @@ def _raw_waits(raw):
     if len(raw) <= 13:
         return (), 0
     try:
-        rows, dropped, _events = raw[13]
+        rows, dropped = _wait_rows(raw[13])
         out = [_Wait(fn, filename, line, stack, ns * 1e-9, count, greenlets)
                for fn, filename, line, stack, ns, count, greenlets in rows]
         dropped = int(dropped)
@@ -355,8 +381,8 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
             # section after them: C writes the end line too, saving a copy
             # of the text)
             last = not d.get("blocking") and d.get("calls") is None
-            text = _render_rows(d, loader[1], spans, greenlets, safe,
-                                _indent_clean_stack, last, _clean_safe)
+            text = _render_rows(d, _raw_for_c(loader[1]), spans, greenlets,
+                                safe, _indent_clean_stack, last, _clean_safe)
             if text is not None:
                 return text if last else _tail(p, [text], calls_limit,
                                                waits=False)

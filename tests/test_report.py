@@ -466,14 +466,24 @@ def _synthetic(seed, n_spans, n_greenlets):
                  for i in range(seed)]
         sites.append(("evil\u202e" + "w" * 250, "/srv/x.py", 7, (), 150000,
                       1, 1))
-        # (rows as read_profile hands them: a tuple; a list works too)
-        raw = raw + ((tuple(sites) if seed % 2 else sites, seed % 2 * 5,
-                      b""),)
+        raw = raw + (_read_waits_layout(sites, seed % 2 * 5),)
     return RequestProfile(
         method="GET", path="/s/%d" % seed, status="200 OK", start=1.7e9,
         end=1.7e9 + 0.01, wall=0.01, cpu=None, spans=None, longest_span=None,
         waiting=None, calls=None, dropped_spans=seed % 3, pid=4242,
         request_id="r%d" % seed if seed % 2 else None), request_records, raw
+
+
+def _read_waits_layout(rows, dropped):
+    """Rows (fn, filename, line, stack, ns, count, greenlets) as
+    read_profile hands them (_hooks.c's read_waits: records, stats,
+    dropped, events)."""
+    from greqprof._collect import WAIT_SITE_ROW
+    records = tuple((None, fn, filename, line, stack)
+                    for fn, filename, line, stack, _, _, _ in rows)
+    stats = b"".join(WAIT_SITE_ROW.pack(i + 1, ns, count, gl, 0, 0)
+                     for i, (_, _, _, _, ns, count, gl) in enumerate(rows))
+    return (records, stats, dropped, b"")
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -484,12 +494,12 @@ def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
         p.__dict__.pop(k, None)
     p.__dict__["_loader"] = (loader, raw)
     for n, g in ((10, 20), (None, None), (0, 0), (3, 1)):
-        fast = report._render_rows(p.__dict__, raw, n, g, report.safe,
+        fast = report._render_rows(p.__dict__, report._raw_for_c(raw), n, g, report.safe,
                                    report._indent_clean_stack, False,
                                    report._clean_safe)
         slow = report._render_py(p, n, 25, g)
         assert fast + "\n<<< End RequestProfile" == slow
-        assert report._render_rows(p.__dict__, raw, n, g, report.safe,
+        assert report._render_rows(p.__dict__, report._raw_for_c(raw), n, g, report.safe,
                                    report._indent_clean_stack, True,
                                    report._clean_safe) == slow
     if len(raw) > 13 and raw[13][0]:
@@ -519,7 +529,7 @@ def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
     p, loader, raw = _synthetic(3, 30, 6)
     rows = [("read_slow", "/srv/net.py", 40, (), 5000000, 1, 1),
             ("wait_upstream", "/srv/app.py", 12, (), 41200000, 3, 2)]
-    raw = raw + ((rows, 0, b""),)
+    raw = raw + (_read_waits_layout(rows, 0),)
     calls = []
 
     def counting_loader(arg):
