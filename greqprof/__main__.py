@@ -157,14 +157,7 @@ def cmd_view(args):
         if renderer.binary:
             raise CliError("format %s is binary: write it to a file with "
                            "-o FILE" % args.format)
-        # (UTF-8 whatever the locale says: the text is clean, any
-        # terminal encoding could still refuse part of it)
-        try:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(out.encode("utf-8"))
-            sys.stdout.flush()
-        except BrokenPipeError:   # (view ... | head)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _write_stdout(out.encode("utf-8"))
         return 0
     try:
         with open(args.output, "wb") as f:
@@ -175,9 +168,48 @@ def cmd_view(args):
     except ValueError as e:
         raise CliError("cannot write %s: %s" % (clean(args.output, 200),
                                                  clean(str(e), 200)))
-    print("greqprof: wrote %s (%s)" % (clean(args.output, 200), args.format),
-          file=sys.stderr)
+    # (a note only: sys.stderr may be None, where print() would fall back
+    # to stdout, or unwritable; the file is written either way)
+    if sys.stderr is not None:
+        try:
+            print("greqprof: wrote %s (%s)" % (clean(args.output, 200),
+                                               args.format),
+                  file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
     return 0
+
+
+def _write_stdout(data):
+    """``data`` to standard output, bytes as they are (UTF-8 whatever the
+    locale says: the text is clean, any terminal encoding could still
+    refuse part of it).  CliError when stdout is closed or the write
+    fails (a full disk, EIO); a reader that went away (``view ... |
+    head``) is not an error."""
+    from ._text import clean
+    if sys.stdout is None:   # (started with fd 1 closed: `view ... >&-`)
+        raise CliError("standard output is closed: write to a file with "
+                       "-o FILE")
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+    except (OSError, ValueError) as e:
+        # What stays in the buffer must not fail again when the
+        # interpreter flushes stdout at exit (a second traceback).
+        _drop_stdout()
+        raise CliError("cannot write to standard output: %s"
+                       % clean(getattr(e, "strerror", None) or str(e), 200))
+
+
+def _drop_stdout():
+    """Points fd 1 at /dev/null, so the final flush at exit succeeds."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def build_parser():
