@@ -79,8 +79,9 @@ def cmd_serve(args):
         if mw is None:
             mw = app = ProfilingMiddleware(
                 app, pct=args.pct, calls=args.calls,
-                blocking_ms=(args.blocking_ms if args.blocking_ms > 0
-                             else None),
+                # (only 0 is off: a negative or NaN value is refused)
+                blocking_ms=(None if args.blocking_ms == 0
+                             else args.blocking_ms),
                 ui_path=UI_PATH if args.ui else None,
                 profile_dir=args.profile_dir,
                 formats=args.formats.split(",") if args.formats else None,
@@ -91,7 +92,7 @@ def cmd_serve(args):
         server = pywsgi.WSGIServer((args.host, args.port), app,
                                    log=None if args.quiet else "default")
         server.start()
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         raise CliError("cannot listen on %s:%d: %s"
                        % (args.host, args.port, e))
     host = server.server_host
@@ -212,6 +213,18 @@ def _drop_stdout():
         pass
 
 
+def _port(text):
+    """argparse type of --port: 0 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a port number: %r" % text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError("a port is 0 to 65535, got %d"
+                                         % port)
+    return port
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m greqprof",
@@ -224,7 +237,7 @@ def build_parser():
     s.add_argument("app", metavar="MODULE:APP",
                    help="the WSGI app, e.g. myproject.wsgi:application")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000,
+    s.add_argument("--port", type=_port, default=8000,
                    help="0 picks a free port (default 8000)")
     s.add_argument("--pct", type=float, default=1.0,
                    help="share of requests to profile, 0.0-1.0 (default 1)")

@@ -152,6 +152,9 @@ def _networks(allow):
     except (TypeError, ValueError) as e:
         raise ConfigError("ui_allow must be a list of IP addresses or "
                           "networks: %s" % e) from None
+    if not nets:
+        raise ConfigError("ui_allow must list at least one address or "
+                          "network (an empty list lets nobody in)")
     return nets
 
 

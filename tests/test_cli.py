@@ -293,3 +293,20 @@ def test_serve_bad_option(tmp_path):
     fails(cli("serve", "cli_test_app:app", "--profile-dir", str(tmp_path),
               "--formats", "json,bmp", cwd=str(tmp_path)),
           "unknown format 'bmp'")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--port", "-1"], "--port"),
+    (["--port", "65536"], "--port"),
+    (["--port", "http"], "--port"),
+    # (these used to serve with blocking reports silently off)
+    (["--port", "0", "--blocking-ms", "-5"], "blocking_ms must be"),
+    (["--port", "0", "--blocking-ms", "nan"], "blocking_ms must be"),
+    (["--port", "0", "--blocking-ms", "1e-9"], "blocking_ms must be"),
+])
+def test_serve_bad_number_is_one_line(tmp_path, args, needle):
+    # (before: an OverflowError traceback from bind() for the ports)
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    r = cli("serve", "cli_test_app:app", "--quiet", *args,
+            cwd=str(tmp_path), timeout=20)
+    fails(r, needle)
