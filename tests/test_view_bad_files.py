@@ -208,3 +208,51 @@ def test_every_renderer_renders_what_from_dict_accepts():
             r.render(p)
         except RenderError:
             pass
+
+
+def strict_json(text):
+    """json.loads refusing NaN and Infinity (which Python writes and
+    reads, but no other JSON reader, speedscope's included, accepts)."""
+    def refuse(name):
+        raise ValueError("%s in the output" % name)
+    return json.loads(text, parse_constant=refuse)
+
+
+def _number_paths(obj, prefix=()):
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    else:
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            yield prefix
+        return
+    for k, v in items:
+        yield from _number_paths(v, prefix + (k,))
+
+
+def test_every_number_at_its_limits_renders_finite():
+    """Every number of a profile, one at a time, at the limits from_dict
+    accepts (5e-324, +-1e11, 0, 2**63-1): every renderer renders, and the
+    JSON formats hold no NaN/Infinity (before: a function whose ttot was
+    5e-324 made the speedscope call tree's weights NaN)."""
+    paths = list(_number_paths(good()))
+    assert len(paths) > 100
+    failures = []
+    for path in paths:
+        for value in (5e-324, -1e11, 1e11, 0, 2 ** 63 - 1):
+            try:
+                p = RequestProfile.from_dict(with_field(path, value))
+            except ValueError:
+                continue   # (out of this field's range: refused)
+            for name, r in RENDERERS.items():
+                try:
+                    out = r.render(p)
+                    if name in ("json", "trace", "speedscope"):
+                        strict_json(out)
+                except RenderError:
+                    pass
+                except Exception as e:
+                    failures.append((path, value, name, repr(e)[:200]))
+    assert not failures, failures[:10]
+
