@@ -119,6 +119,9 @@ def cmd_serve(args):
     return 0
 
 
+_NO_MEMORY = "%s is too large for the memory this process may use"
+
+
 def cmd_view(args):
     """Renders a saved profile.  Any bad input file ends in one line on
     stderr and exit status 2 (never a traceback): the file is read with a
@@ -141,15 +144,28 @@ def cmd_view(args):
     except ValueError as e:   # (also a NUL in the name)
         raise CliError("%s is not a JSON profile (%s)"
                        % (name, clean(str(e), 300)))
+    except MemoryError:
+        raise CliError(_NO_MEMORY % name) from None
     try:
         profile = RequestProfile.from_dict(raw)
     except (ValueError, RecursionError) as e:
         raise CliError("%s is not a greqprof profile: %s"
                        % (name, clean(str(e), 300)))
+    except MemoryError:
+        raise CliError(_NO_MEMORY % name) from None
+    except Exception as e:  # (a bug of the loader: still one line)
+        raise CliError("cannot load %s: %s: %s (please report this)"
+                       % (name, type(e).__name__, clean(str(e), 300)))
+    finally:
+        raw = None   # (the document is not needed any more)
     try:
         out = renderer.render(profile)
+        if not renderer.binary:
+            out = out.encode("utf-8")
     except RenderError as e:
         raise CliError(clean(str(e), 300))
+    except MemoryError:
+        raise CliError(_NO_MEMORY % name) from None
     except Exception as e:  # (a renderer bug: still one line)
         raise CliError("cannot render %s as %s: %s: %s (please report "
                        "this)" % (name, args.format, type(e).__name__,
@@ -158,11 +174,11 @@ def cmd_view(args):
         if renderer.binary:
             raise CliError("format %s is binary: write it to a file with "
                            "-o FILE" % args.format)
-        _write_stdout(out.encode("utf-8"))
+        _write_stdout(out)
         return 0
     try:
         with open(args.output, "wb") as f:
-            f.write(out if renderer.binary else out.encode("utf-8"))
+            f.write(out)
     except OSError as e:
         raise CliError("cannot write %s: %s" % (clean(args.output, 200),
                                                  e.strerror))

@@ -46,7 +46,18 @@ def read_json(path):
         size = os.fstat(f.fileno()).st_size
         if size > MAX_FILE_BYTES:
             raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
-        data = f.read(MAX_FILE_BYTES + 1)   # (a pipe has no size)
+        if size:
+            # (what the file holds, not the cap: read(cap) reserves 256 MiB)
+            data = f.read(size + 1)
+        else:   # (a pipe or a /proc file: no size, read up to the cap)
+            chunks, n = [], 0
+            while n <= MAX_FILE_BYTES:
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                n += len(chunk)
+            data = b"".join(chunks)
     return parse_json(data)
 
 

@@ -256,3 +256,26 @@ def test_every_number_at_its_limits_renders_finite():
                     failures.append((path, value, name, repr(e)[:200]))
     assert not failures, failures[:10]
 
+
+def test_a_file_too_large_for_the_memory_is_one_line(tmp_path):
+    """A file under the 256 MiB cap can still need more memory than the
+    process may have (here an address-space limit of what view needs to
+    start plus 100 MB, and 15 million list items, 120 MB of pointers):
+    one line, exit 2 (before: a MemoryError traceback, exit 1)."""
+    import resource
+    probe = subprocess.run(
+        [sys.executable, "-c", "import greqprof.__main__, re; print(re.search("
+         "r'VmPeak:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"],
+        capture_output=True, check=True, timeout=60)
+    limit = (int(probe.stdout) + 100 * 1024) * 1024
+    path = tmp_path / "huge.json"
+    with open(path, "w") as f:
+        f.write('{"schema": "greqprof.request_profile/1", "notes": [')
+        f.write("0," * 15000000)
+        f.write("0]}")
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    r = subprocess.run([sys.executable, "-m", "greqprof", "view", str(path)],
+                       capture_output=True, timeout=120, preexec_fn=cap)
+    refused(r, "huge.json", "memory")
