@@ -437,6 +437,14 @@ class _Reader:
         return self._number(d, key, where, optional, default, -MAX_SECONDS,
                             MAX_SECONDS)
 
+    def duration(self, d, key, where, optional=False,
+                 default=_REQUIRED_DEFAULT):
+        """Seconds from 0: the wall time of a span or blocking event (a
+        negative one would also defeat the renderers' index of blocking
+        events, see ProfileView.is_blocking)."""
+        return self._number(d, key, where, optional, default, 0.0,
+                            MAX_SECONDS)
+
     def count(self, d, key, where, optional=False,
               default=_REQUIRED_DEFAULT):
         v = self._get(d, key, where, optional, default)
@@ -499,7 +507,7 @@ class _Reader:
             self.text(x, "fn_name", w + "fn_name"),
             self.time(x, "start", w + "start"),
             self.time(x, "end", w + "end"),
-            self.seconds(x, "wall", w + "wall"),
+            self.duration(x, "wall", w + "wall"),
             self.seconds(x, "cpu", w + "cpu", optional=True),
             self.bool(x, "finished", w + "finished"),
             self.text(x, "stack", w + "stack", optional=True, lines=True),
@@ -559,7 +567,7 @@ class _Reader:
             fn_name=self.text(x, "fn_name", w + "fn_name"),
             start=self.time(x, "start", w + "start"),
             end=self.time(x, "end", w + "end"),
-            wall=self.seconds(x, "wall", w + "wall"),
+            wall=self.duration(x, "wall", w + "wall"),
             cpu=self.seconds(x, "cpu", w + "cpu", optional=True),
             stack=self.text(x, "stack", w + "stack", optional=True,
                             lines=True),
