@@ -382,7 +382,8 @@ OPTIONS.update({opt: spec for opt, spec, _ in VARIABLES.values()})
 def check(option, value):
     """``value`` checked against ``option``'s documented range (ConfigError
     naming the option otherwise); returns the value as the option holds
-    it (``blocking_ms=0`` is None, ``formats`` a list)."""
+    it (``formats`` a list; ``blocking_ms=0`` is refused in code, where
+    None is off, and GREQPROF_BLOCKING_MS=0 reads as None)."""
     return OPTIONS[option].check(option, value)
 
 
