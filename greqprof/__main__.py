@@ -86,8 +86,9 @@ def cmd_serve(args):
         if mw is None:
             mw = app = ProfilingMiddleware(
                 app, pct=args.pct, calls=args.calls,
-                blocking_ms=(args.blocking_ms if args.blocking_ms > 0
-                             else None),
+                # (only 0 is off: a negative or NaN value is refused)
+                blocking_ms=(None if args.blocking_ms == 0
+                             else args.blocking_ms),
                 ui_path=UI_PATH if args.ui else None,
                 profile_dir=args.profile_dir,
                 formats=args.formats.split(",") if args.formats else None,
@@ -98,7 +99,7 @@ def cmd_serve(args):
         server = pywsgi.WSGIServer((args.host, args.port), app,
                                    log=None if args.quiet else "default")
         server.start()
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         raise CliError("cannot listen on %s:%d: %s"
                        % (args.host, args.port, e))
     host = server.server_host
@@ -125,6 +126,9 @@ def cmd_serve(args):
     return 0
 
 
+_NO_MEMORY = "%s is too large for the memory this process may use"
+
+
 def cmd_view(args):
     """Renders a saved profile.  Any bad input file ends in one line on
     stderr and exit status 2 (never a traceback): the file is read with a
@@ -147,15 +151,28 @@ def cmd_view(args):
     except ValueError as e:   # (also a NUL in the name)
         raise CliError("%s is not a JSON profile (%s)"
                        % (name, clean(str(e), 300)))
+    except MemoryError:
+        raise CliError(_NO_MEMORY % name) from None
     try:
         profile = RequestProfile.from_dict(raw)
     except (ValueError, RecursionError) as e:
         raise CliError("%s is not a greqprof profile: %s"
                        % (name, clean(str(e), 300)))
+    except MemoryError:
+        raise CliError(_NO_MEMORY % name) from None
+    except Exception as e:  # (a bug of the loader: still one line)
+        raise CliError("cannot load %s: %s: %s (please report this)"
+                       % (name, type(e).__name__, clean(str(e), 300)))
+    finally:
+        raw = None   # (the document is not needed any more)
     try:
         out = renderer.render(profile)
+        if not renderer.binary:
+            out = out.encode("utf-8")
     except RenderError as e:
         raise CliError(clean(str(e), 300))
+    except MemoryError:
+        raise CliError(_NO_MEMORY % name) from None
     except Exception as e:  # (a renderer bug: still one line)
         raise CliError("cannot render %s as %s: %s: %s (please report "
                        "this)" % (name, args.format, type(e).__name__,
@@ -164,27 +181,71 @@ def cmd_view(args):
         if renderer.binary:
             raise CliError("format %s is binary: write it to a file with "
                            "-o FILE" % args.format)
-        # (UTF-8 whatever the locale says: the text is clean, any
-        # terminal encoding could still refuse part of it)
-        try:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(out.encode("utf-8"))
-            sys.stdout.flush()
-        except BrokenPipeError:   # (view ... | head)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _write_stdout(out)
         return 0
     try:
         with open(args.output, "wb") as f:
-            f.write(out if renderer.binary else out.encode("utf-8"))
+            f.write(out)
     except OSError as e:
         raise CliError("cannot write %s: %s" % (clean(args.output, 200),
                                                  e.strerror))
     except ValueError as e:
         raise CliError("cannot write %s: %s" % (clean(args.output, 200),
                                                  clean(str(e), 200)))
-    print("greqprof: wrote %s (%s)" % (clean(args.output, 200), args.format),
-          file=sys.stderr)
+    # (a note only: sys.stderr may be None, where print() would fall back
+    # to stdout, or unwritable; the file is written either way)
+    if sys.stderr is not None:
+        try:
+            print("greqprof: wrote %s (%s)" % (clean(args.output, 200),
+                                               args.format),
+                  file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
     return 0
+
+
+def _write_stdout(data):
+    """``data`` to standard output, bytes as they are (UTF-8 whatever the
+    locale says: the text is clean, any terminal encoding could still
+    refuse part of it).  CliError when stdout is closed or the write
+    fails (a full disk, EIO); a reader that went away (``view ... |
+    head``) is not an error."""
+    from ._text import clean
+    if sys.stdout is None:   # (started with fd 1 closed: `view ... >&-`)
+        raise CliError("standard output is closed: write to a file with "
+                       "-o FILE")
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+    except (OSError, ValueError) as e:
+        # What stays in the buffer must not fail again when the
+        # interpreter flushes stdout at exit (a second traceback).
+        _drop_stdout()
+        raise CliError("cannot write to standard output: %s"
+                       % clean(getattr(e, "strerror", None) or str(e), 200))
+
+
+def _drop_stdout():
+    """Points fd 1 at /dev/null, so the final flush at exit succeeds."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _port(text):
+    """argparse type of --port: 0 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a port number: %r" % text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError("a port is 0 to 65535, got %d"
+                                         % port)
+    return port
 
 
 def build_parser():
@@ -199,7 +260,7 @@ def build_parser():
     s.add_argument("app", metavar="MODULE:APP",
                    help="the WSGI app, e.g. myproject.wsgi:application")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000,
+    s.add_argument("--port", type=_port, default=8000,
                    help="0 picks a free port (default 8000)")
     s.add_argument("--pct", type=float, default=1.0,
                    help="share of requests to profile, 0.0-1.0 (default 1)")

@@ -110,7 +110,10 @@ class _Number(_Spec):
             raise _Bad("not %s (plain ASCII digits)"
                        % ("an integer" if self.integer else "a number"))
         x = int(v) if self.integer else float(v)
-        return None if self.zero_off and x == 0 else x
+        if self.zero_off and x == 0 and \
+                not re.search("[1-9]", re.split("[eE]", v)[0]):
+            return None   # (a literal zero; "1e-400" is 0.0 but no "off")
+        return x
 
     def validate(self, value):
         if value is None and self.off:
@@ -161,12 +164,15 @@ class _Choice(_Spec):
 
 class _Text(_Spec):
     """Printable text of 1 to ``max_len`` characters (``pattern``: a regex
-    it must match; ``ascii``: printable ASCII only)."""
+    it must match; ``ascii``: printable ASCII only; ``header_value``: no
+    space at either end, which servers strip from a header's value so it
+    could never be equal)."""
 
     def __init__(self, doc, max_len=200, pattern=None, ascii=False,
-                 min_len=1, secret=False, optional=False):
+                 min_len=1, secret=False, optional=False,
+                 header_value=False):
         self.doc, self.max_len, self.min_len = doc, max_len, min_len
-        self.optional = optional
+        self.optional, self.header_value = optional, header_value
         self.pattern = re.compile(pattern + r"\Z") if pattern else None
         self.ascii, self.secret = ascii, secret
 
@@ -186,6 +192,29 @@ class _Text(_Spec):
                        % ("ASCII" if self.ascii else "printable"))
         if self.pattern is not None and not self.pattern.match(value):
             raise _Bad("")
+        if self.header_value and value != value.strip():
+            raise _Bad("spaces at either end (servers strip them from "
+                       "header values)")
+        return value
+
+
+class _Header(_Text):
+    """A request header name the WSGI environ carries as ``HTTP_*``."""
+    #: PEP 3333 puts these two in CONTENT_TYPE / CONTENT_LENGTH, and they
+    #: describe the request's body: never a trigger.
+    NOT_HTTP = ("content-type", "content-length")
+
+    def __init__(self):
+        super().__init__("a header name (letters, digits and dashes, up to "
+                         "128; not Content-Type or Content-Length)", 128,
+                         pattern=_TOKEN, ascii=True, optional=True)
+
+    def validate(self, value):
+        value = super().validate(value)
+        if value is not None and value.lower() in self.NOT_HTTP:
+            raise _Bad("WSGI servers pass %s outside the HTTP_* keys and "
+                       "it describes the request body; use a header of "
+                       "its own, e.g. X-Greqprof-Trigger" % value)
         return value
 
 
@@ -293,6 +322,8 @@ _list = _Names("a list of names", _Text("a name"))
 #: spans kept per request: each costs 40 bytes, allocated as the request
 #: records them; the cap bounds a request's memory (max_open of them)
 MAX_SPANS = 100000
+#: the smallest blocking_ms that is on (1 microsecond)
+MIN_BLOCKING_MS = 0.001
 _TOKEN = r"[A-Za-z0-9][A-Za-z0-9-]*"
 
 #: variable -> (middleware option, spec, default)
@@ -300,8 +331,10 @@ VARIABLES = {
     "GREQPROF_PCT": ("pct", _Number(0.0, 1.0), 0.05),
     "GREQPROF_CALLS": ("calls", _bool, False),
     "GREQPROF_CLOCK": ("clock", _choice("cpu", "wall"), "cpu"),
+    # (below 0.001 ms, i.e. 1000 ns, a threshold is no longer a useful
+    # one and int(blocking_ms * 1e6) reaches 0, which means off)
     "GREQPROF_BLOCKING_MS": ("blocking_ms", _Number(
-        0.0, 3600000.0, lo_open=True, off=True, zero_off=True,
+        MIN_BLOCKING_MS, 3600000.0, off=True, zero_off=True,
         unit="milliseconds"), 100),
     "GREQPROF_JSON_LOGS": ("json_logs", _bool, False),
     "GREQPROF_MAX_SPANS": ("max_spans", _Number(1, MAX_SPANS, integer=True),
@@ -312,12 +345,11 @@ VARIABLES = {
     "GREQPROF_FORMATS": ("formats", _Names(
         "a list of format names", _Text("a format name", 32,
                                         pattern=r"[a-z]+")), None),
-    "GREQPROF_TRIGGER_HEADER": ("trigger_header", _Text(
-        "a header name (letters, digits and dashes, up to 128)", 128,
-        pattern=_TOKEN, ascii=True, optional=True), None),
+    "GREQPROF_TRIGGER_HEADER": ("trigger_header", _Header(), None),
     "GREQPROF_TRIGGER_SECRET": ("trigger_secret", _Text(
-        "a string of 8 to 1024 printable ASCII characters", 1024,
-        ascii=True, min_len=8, secret=True, optional=True), None),
+        "a string of 8 to 1024 printable ASCII characters, no space at "
+        "either end", 1024, ascii=True, min_len=8, secret=True,
+        optional=True, header_value=True), None),
     "GREQPROF_OTEL": ("otel", _bool, False),
     "GREQPROF_OTEL_SPANS": ("otel_spans", _bool, False),
     "GREQPROF_ENABLED": ("enabled", _bool, True),
@@ -331,12 +363,16 @@ VARIABLES = {
 OPTIONS = {
     "max_open": _Number(1, 1000000, integer=True),
     "ui_keep": _Number(1, 10000, integer=True),
-    "ui_path": _Text("a path like '/_greqprof' (printable ASCII, no ? or #, "
-                     "up to 200)", 200, pattern=r"/[!$&'()*+,;=:@%/.~\w-]*",
+    # (no %: PATH_INFO arrives decoded; no . or .. segment: browsers
+    # remove them; either way no request would reach the inspector)
+    "ui_path": _Text("a path like '/_greqprof' (printable ASCII, no ?, # "
+                     "or %, no . or .. segment, up to 200)", 200,
+                     pattern=r"(?!.*/\.\.?(?:/|\Z))/[!$&'()*+,;=:@/.~\w-]*",
                      ascii=True, optional=True),
-    "ui_token": _Text("a string of 8 to 1024 printable ASCII characters",
-                      1024, ascii=True, min_len=8, secret=True,
-                      optional=True),
+    "ui_token": _Text("a string of 8 to 1024 printable ASCII characters, "
+                      "no space at either end", 1024, ascii=True,
+                      min_len=8, secret=True, optional=True,
+                      header_value=True),
     "ui_hosts": _Names("a list of host names or IP addresses",
                        _Text("a host name", 255)),
     "stacks": _bool, "watchdog": _bool, "report": _bool,
@@ -350,7 +386,8 @@ OPTIONS.update({opt: spec for opt, spec, _ in VARIABLES.values()})
 def check(option, value):
     """``value`` checked against ``option``'s documented range (ConfigError
     naming the option otherwise); returns the value as the option holds
-    it (``blocking_ms=0`` is None, ``formats`` a list)."""
+    it (``formats`` a list; ``blocking_ms=0`` is refused in code, where
+    None is off, and GREQPROF_BLOCKING_MS=0 reads as None)."""
     return OPTIONS[option].check(option, value)
 
 

@@ -36,7 +36,11 @@ from .renderers import RENDERERS, RenderError, get_renderer
 from .renderers.html import HtmlRenderer, asset, content_security_policy
 
 _ID = re.compile(r"^/p/(\d{1,18})(?:(\.json)|/([a-z]{1,20}))?$")
-_LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
+#: Host names that are loopback by definition, fixed (never looked up:
+#: a name that merely resolves to loopback today can be rebound): localhost
+#: and, below, every *.localhost name (RFC 6761; browsers resolve them to
+#: loopback themselves), and Debian's /etc/hosts names for ::1.
+_LOOPBACK_HOSTS = ("localhost", "ip6-localhost", "ip6-loopback")
 MAX_BODY = 4096
 
 
@@ -114,17 +118,23 @@ def parse_host(value):
 
 def _host_is_loopback(name):
     """True when a parsed Host name is this machine's loopback."""
-    return name in _LOOPBACK_HOSTS or _is_loopback(name)
+    return name in _LOOPBACK_HOSTS or name.endswith(".localhost") or \
+        _is_loopback(name)
 
 
 def _hosts(hosts):
     """ui_hosts as a set of parsed names (ConfigError for an entry that
-    is not a host name or IP address)."""
+    is not a host name or IP address; IPv6 with or without brackets)."""
     if isinstance(hosts, str):
         hosts = [hosts]
     names = set()
     for h in hosts:
-        parsed = parse_host(h.strip()) if isinstance(h, str) else None
+        parsed = None
+        if isinstance(h, str):
+            h6 = h.strip()
+            if ":" in h6 and not h6.startswith("["):
+                h6 = "[%s]" % h6   # (a bare IPv6 address; else refused)
+            parsed = parse_host(h6)
         if parsed is None or parsed[1] is not None:
             raise ConfigError("ui_hosts: %s is not a host name or IP address "
                               "(no port, no scheme)" % clean(repr(h), 100))
@@ -142,6 +152,9 @@ def _networks(allow):
     except (TypeError, ValueError) as e:
         raise ConfigError("ui_allow must be a list of IP addresses or "
                           "networks: %s" % e) from None
+    if not nets:
+        raise ConfigError("ui_allow must list at least one address or "
+                          "network (an empty list lets nobody in)")
     return nets
 
 

@@ -46,7 +46,18 @@ def read_json(path):
         size = os.fstat(f.fileno()).st_size
         if size > MAX_FILE_BYTES:
             raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
-        data = f.read(MAX_FILE_BYTES + 1)   # (a pipe has no size)
+        if size:
+            # (what the file holds, not the cap: read(cap) reserves 256 MiB)
+            data = f.read(size + 1)
+        else:   # (a pipe or a /proc file: no size, read up to the cap)
+            chunks, n = [], 0
+            while n <= MAX_FILE_BYTES:
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                n += len(chunk)
+            data = b"".join(chunks)
     return parse_json(data)
 
 
@@ -529,6 +540,14 @@ class _Reader:
         return self._number(d, key, where, optional, default, -MAX_SECONDS,
                             MAX_SECONDS)
 
+    def duration(self, d, key, where, optional=False,
+                 default=_REQUIRED_DEFAULT):
+        """Seconds from 0: the wall time of a span or blocking event (a
+        negative one would also defeat the renderers' index of blocking
+        events, see ProfileView.is_blocking)."""
+        return self._number(d, key, where, optional, default, 0.0,
+                            MAX_SECONDS)
+
     def count(self, d, key, where, optional=False,
               default=_REQUIRED_DEFAULT):
         v = self._get(d, key, where, optional, default)
@@ -591,7 +610,7 @@ class _Reader:
             self.text(x, "fn_name", w + "fn_name"),
             self.time(x, "start", w + "start"),
             self.time(x, "end", w + "end"),
-            self.seconds(x, "wall", w + "wall"),
+            self.duration(x, "wall", w + "wall"),
             self.seconds(x, "cpu", w + "cpu", optional=True),
             self.bool(x, "finished", w + "finished"),
             self.text(x, "stack", w + "stack", optional=True, lines=True),
@@ -651,7 +670,7 @@ class _Reader:
             fn_name=self.text(x, "fn_name", w + "fn_name"),
             start=self.time(x, "start", w + "start"),
             end=self.time(x, "end", w + "end"),
-            wall=self.seconds(x, "wall", w + "wall"),
+            wall=self.duration(x, "wall", w + "wall"),
             cpu=self.seconds(x, "cpu", w + "cpu", optional=True),
             stack=self.text(x, "stack", w + "stack", optional=True,
                             lines=True),

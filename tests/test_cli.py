@@ -144,6 +144,56 @@ def test_view_hostile_path_text_is_escaped(tmp_path):
     assert b"\nForged: yes" not in r.stdout
 
 
+def cli_fds(args, stdout=None, stderr=subprocess.PIPE, close=()):
+    """``python -m greqprof ARGS`` with its standard output (or error)
+    redirected to ``stdout`` / ``stderr``, or closed (fds in ``close``)."""
+    def closing():
+        for fd in close:
+            os.close(fd)
+    return subprocess.run([sys.executable, "-m", "greqprof"] + list(args),
+                          stdout=stdout, stderr=stderr, timeout=30,
+                          cwd=CHILD_CWD, env=child_env(),
+                          preexec_fn=closing if close else None)
+
+
+def one_line(r, *needles):
+    fails(r, *needles)
+    assert r.stderr.decode().count("\n") == 1, r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["text", "html"])
+def test_view_to_a_full_disk_is_one_line(saved, fmt):
+    # /dev/full: every write fails with ENOSPC (a full disk); the html
+    # output is larger than the stdout buffer, the text one smaller.
+    with open("/dev/full", "wb") as full:
+        r = cli_fds(["view", str(saved), "-f", fmt], stdout=full)
+    one_line(r, "cannot write to standard output",
+             "No space left on device")
+
+
+def test_view_to_a_closed_stdout_is_one_line(saved):
+    # `view ... >&-`: Python sets sys.stdout to None.
+    r = cli_fds(["view", str(saved)], close=[1])
+    one_line(r, "standard output is closed")
+
+
+def test_view_to_a_file_with_stderr_full_or_closed(saved, tmp_path):
+    # The "wrote FILE" note cannot be printed: the file is still written
+    # and the exit status is 0, without a traceback anywhere.
+    for i, kw in enumerate([{"close": [2], "stderr": None}]):
+        out = tmp_path / ("o%d.txt" % i)
+        r = cli_fds(["view", str(saved), "-o", str(out)],
+                    stdout=subprocess.PIPE, **kw)
+        assert r.returncode == 0 and r.stdout == b""
+        assert out.read_text().startswith(">>> Begin RequestProfile")
+    out = tmp_path / "full.txt"
+    with open("/dev/full", "wb") as full:
+        r = cli_fds(["view", str(saved), "-o", str(out)],
+                    stdout=subprocess.PIPE, stderr=full)
+    assert r.returncode == 0 and r.stdout == b""
+    assert out.read_text().startswith(">>> Begin RequestProfile")
+
+
 # ---------------------------------------------------------------------------
 # serve
 
@@ -243,3 +293,20 @@ def test_serve_bad_option(tmp_path):
     fails(cli("serve", "cli_test_app:app", "--profile-dir", str(tmp_path),
               "--formats", "json,bmp", cwd=str(tmp_path)),
           "unknown format 'bmp'")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--port", "-1"], "--port"),
+    (["--port", "65536"], "--port"),
+    (["--port", "http"], "--port"),
+    # (these used to serve with blocking reports silently off)
+    (["--port", "0", "--blocking-ms", "-5"], "blocking_ms must be"),
+    (["--port", "0", "--blocking-ms", "nan"], "blocking_ms must be"),
+    (["--port", "0", "--blocking-ms", "1e-9"], "blocking_ms must be"),
+])
+def test_serve_bad_number_is_one_line(tmp_path, args, needle):
+    # (before: an OverflowError traceback from bind() for the ports)
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    r = cli("serve", "cli_test_app:app", "--quiet", *args,
+            cwd=str(tmp_path), timeout=20)
+    fails(r, needle)

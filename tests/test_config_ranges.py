@@ -39,6 +39,12 @@ BAD_VARIABLES = [
     ("GREQPROF_TRIGGER_HEADER", "X Profile"),
     ("GREQPROF_TRIGGER_HEADER", "X-Pr\u00f6file"),
     ("GREQPROF_FORMATS", "json,../../etc"),
+    # accepted and then silently broken (review of issue 15):
+    ("GREQPROF_BLOCKING_MS", "1e-7"),       # blocking_ns 0: off
+    ("GREQPROF_BLOCKING_MS", "0.0009"),
+    ("GREQPROF_BLOCKING_MS", "1e-400"),     # a float 0.0: off
+    ("GREQPROF_TRIGGER_HEADER", "Content-Type"),     # never HTTP_*
+    ("GREQPROF_TRIGGER_HEADER", "content-length"),
 ]
 
 
@@ -90,6 +96,27 @@ BAD_OPTIONS = [
     ({"ui_path": "/x\x00", "pct": 0.0}, "ui_path"),
     ({"ui_path": "/_g", "ui_keep": 2 ** 40}, "ui_keep"),
     ({"ui_path": "/_g", "ui_token": "t\udcff" * 8}, "ui_token"),
+    # accepted and then silently broken (review of issue 15):
+    ({"blocking_ms": 1e-7}, "blocking_ms"),      # blocking_ns 0: off
+    ({"blocking_ms": 5e-324}, "blocking_ms"),
+    ({"blocking_ms": 0.0009}, "blocking_ms"),
+    ({"trigger_header": "Content-Type", "trigger_secret": "s3cret-value-42"},
+     "trigger_header"),
+    ({"trigger_header": "CONTENT-LENGTH",
+      "trigger_secret": "s3cret-value-42"}, "trigger_header"),
+    # servers strip a header value's ends: never equal to the secret
+    ({"trigger_header": "X-T", "trigger_secret": " s3cret-value-42"},
+     "trigger_secret"),
+    ({"trigger_header": "X-T", "trigger_secret": "s3cret-value-42\t"},
+     "trigger_secret"),
+    ({"ui_path": "/_g", "ui_token": "s3cret-token "}, "ui_token"),
+    # PATH_INFO is decoded and browsers drop dot segments: never reached
+    ({"ui_path": "/_g%41"}, "ui_path"),
+    ({"ui_path": "/a/../_g"}, "ui_path"),
+    ({"ui_path": "/./_g"}, "ui_path"),
+    ({"ui_path": "/_g/.."}, "ui_path"),
+    # an empty ui_allow lets no address in
+    ({"ui_path": "/_g", "ui_allow": []}, "ui_allow"),
 ]
 
 
@@ -102,6 +129,20 @@ def test_bad_option_is_a_config_error_naming_it(kw, option, tmp_path):
     assert option in str(e.value)
     assert str(e.value).isprintable()
     assert "s3cret" not in str(e.value) and "\udcff" not in str(e.value)
+
+
+def test_smallest_blocking_ms_is_on(serve):
+    """The documented minimum, 0.001 ms, is a threshold of 1000 ns (below
+    it, int(blocking_ms * 1e6) used to be 0: off); 0 and None are off."""
+    assert ProfilingMiddleware(app, environ={}, blocking_ms=0.001) \
+        .config.blocking_ns == 1000
+    assert ProfilingMiddleware(app, environ={
+        "GREQPROF_BLOCKING_MS": "0.001"}).config.blocking_ns == 1000
+    for off in ("0", "0.0", "-0", "off", ""):
+        assert ProfilingMiddleware(app, environ={
+            "GREQPROF_BLOCKING_MS": off}).config.blocking_ns == 0
+    assert ProfilingMiddleware(app, environ={}, blocking_ms=None) \
+        .config.blocking_ns == 0
 
 
 def test_linger_assignment_is_checked_too():

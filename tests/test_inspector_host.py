@@ -124,3 +124,44 @@ def test_list_survives_a_profile_with_raw_text(serve):
     r = parse_response(raw)
     assert r.status == 200
     assert b"/x\\udcff" in r.body and b"200 OK" in r.body
+
+
+def test_fixed_loopback_names(serve):
+    """Names that are loopback by definition get in without ui_hosts:
+    ``*.localhost`` (RFC 6761: browsers resolve every name under it to
+    loopback themselves, so no page elsewhere can carry it) and Debian's
+    fixed names for ::1.  The list is fixed, never read from /etc/hosts
+    or DNS: a name that merely resolves to loopback may be rebound."""
+    s = serve(app, pct=0.0, blocking_ms=None, ui_path=UI)
+    port = s.port
+    for host in ["app.localhost:%d" % port, "a.b.localhost", "APP.LOCALHOST.",
+                 "ip6-loopback:%d" % port, "ip6-localhost", "IP6-Loopback.",
+                 "[::ffff:127.0.0.1]:%d" % port]:
+        assert get(port, host) == 200, host
+    for host in ["localhost.evil.example", "evil-localhost", "xlocalhost",
+                 "ip6-loopback.evil.example", "ip6-loopback6",
+                 "localhost6", "localhost.localdomain", "app.localhost.evil"]:
+        assert get(port, host) == 403, host
+
+
+def test_ui_hosts_take_ipv6_addresses_with_or_without_brackets(serve):
+    """docs/viewing.md says ui_hosts takes names or IP addresses: a bare
+    IPv6 address used to be refused (only "[fd00::5]" passed)."""
+    s = serve(app, pct=0.0, blocking_ms=None, ui_path=UI,
+              ui_hosts=["fd00::5", "[fd00::6]", "2001:DB8:0:0::1",
+                        "dev.example"])
+    assert s.mw.inspector.hosts == {"fd00::5", "fd00::6", "2001:db8::1",
+                                    "dev.example"}
+    for host in ["[fd00::5]:%d" % s.port, "[fd00::6]", "[2001:db8::1]:80",
+                 "[fd00:0::5]"]:
+        assert get(s.port, host) == 200, host
+    for host in ["fd00::5", "[fd00::7]", "[fd00::5]:x"]:
+        assert get(s.port, host) == 403, host
+
+
+@pytest.mark.parametrize("hosts", [["fe80::1%eth0"], ["[fe80::1%25eth0]"],
+                                   ["fd00::5::6"], ["[fd00::5]:80"]])
+def test_ui_hosts_ipv6_entries_are_checked(hosts):
+    # a zone id names no host a browser would send; a port is not a host
+    with pytest.raises(ConfigError, match="ui_hosts"):
+        ProfilingMiddleware(app, ui_path=UI, ui_hosts=hosts, environ={})

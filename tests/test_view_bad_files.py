@@ -43,6 +43,10 @@ BAD_DOCS = [
     ("method int", with_field(["method"], 5)),
     ("path list", with_field(["path"], ["/"])),
     ("path missing", with_field(["path"], ...)),
+    # (a duration; negative ones also sent the renderers' blocking marks
+    # down their slow path)
+    ("span wall negative", with_field(["spans", 0, "wall"], -1e-9)),
+    ("blocking wall negative", with_field(["blocking", 0, "wall"], -1.0)),
     ("start null", with_field(["start"], None)),
     ("end string", with_field(["end"], "1700000000")),
     ("wall bool", with_field(["wall"], True)),
@@ -197,7 +201,7 @@ def test_every_renderer_renders_what_from_dict_accepts():
     d["start"], d["end"] = 0.0, 1e11
     d["wall"], d["cpu"] = 1e11, -1e11
     d["spans"][0]["start"] = 0.0
-    d["spans"][0]["wall"] = -1e11
+    d["spans"][0]["wall"] = 1e11
     d["pid"] = 2 ** 63 - 1
     d["calls"][0]["ttot"] = 0.0
     d["calls"][0]["ncall"] = 0
@@ -208,3 +212,163 @@ def test_every_renderer_renders_what_from_dict_accepts():
             r.render(p)
         except RenderError:
             pass
+
+
+def strict_json(text):
+    """json.loads refusing NaN and Infinity (which Python writes and
+    reads, but no other JSON reader, speedscope's included, accepts)."""
+    def refuse(name):
+        raise ValueError("%s in the output" % name)
+    return json.loads(text, parse_constant=refuse)
+
+
+def _number_paths(obj, prefix=()):
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    else:
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            yield prefix
+        return
+    for k, v in items:
+        yield from _number_paths(v, prefix + (k,))
+
+
+def test_every_number_at_its_limits_renders_finite():
+    """Every number of a profile, one at a time, at the limits from_dict
+    accepts (5e-324, +-1e11, 0, 2**63-1): every renderer renders, and the
+    JSON formats hold no NaN/Infinity (before: a function whose ttot was
+    5e-324 made the speedscope call tree's weights NaN)."""
+    paths = list(_number_paths(good()))
+    assert len(paths) > 100
+    failures = []
+    for path in paths:
+        for value in (5e-324, -1e11, 1e11, 0, 2 ** 63 - 1):
+            try:
+                p = RequestProfile.from_dict(with_field(path, value))
+            except ValueError:
+                continue   # (out of this field's range: refused)
+            for name, r in RENDERERS.items():
+                try:
+                    out = r.render(p)
+                    if name in ("json", "trace", "speedscope"):
+                        strict_json(out)
+                except RenderError:
+                    pass
+                except Exception as e:
+                    failures.append((path, value, name, repr(e)[:200]))
+    assert not failures, failures[:10]
+
+
+def test_a_file_too_large_for_the_memory_is_one_line(tmp_path):
+    """A file under the 256 MiB cap can still need more memory than the
+    process may have (here an address-space limit of what view needs to
+    start plus 100 MB, and 15 million list items, 120 MB of pointers):
+    one line, exit 2 (before: a MemoryError traceback, exit 1)."""
+    import resource
+    probe = subprocess.run(
+        [sys.executable, "-c", "import greqprof.__main__, re; print(re.search("
+         "r'VmPeak:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"],
+        capture_output=True, check=True, timeout=60)
+    limit = (int(probe.stdout) + 100 * 1024) * 1024
+    path = tmp_path / "huge.json"
+    with open(path, "w") as f:
+        f.write('{"schema": "greqprof.request_profile/1", "notes": [')
+        f.write("0," * 15000000)
+        f.write("0]}")
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    r = subprocess.run([sys.executable, "-m", "greqprof", "view", str(path)],
+                       capture_output=True, timeout=120, preexec_fn=cap)
+    refused(r, "huge.json", "memory")
+
+
+def _naive_is_blocking(view, span):
+    # (the rule as it reads, every span against every event)
+    if span.long:
+        return True
+    for b in view.blocking:
+        if b.greenlet_id == span.greenlet_id:
+            overlap = min(b.end, span.end) - max(b.start, span.start)
+            if overlap > 0.5 * min(b.wall, span.wall) or \
+                    abs(b.start - span.start) < 0.001:
+                return True
+    return False
+
+
+def _timeline(rng, n_spans, n_events, odd=False):
+    from greqprof import BlockingEvent, Span
+    t0 = 1700000000.0
+    spans, events = [], []
+    for i in range(n_spans):
+        a = t0 + rng.uniform(0, 2)
+        w = rng.choice([0.0, 1e-5, 1e-3, 0.02, 0.3])
+        if odd and rng.random() < 0.1:
+            w = -w - 1.0
+        spans.append(Span(rng.randint(1, 3), "g", "f", a, a + abs(w), w,
+                          None, True, None, rng.random() < 0.05))
+    for i in range(n_events):
+        a = t0 + rng.uniform(0, 2)
+        if rng.random() < 0.5:   # (on the rule's edges, floats rounding)
+            s = rng.choice(spans)
+            a = rng.choice([s.start, s.end]) + rng.choice(
+                [0.0, 0.001, -0.001, 0.002, -0.002, 1e-9, -1e-9, 0.0009999])
+        w = rng.choice([0.0, 5e-4, 0.01, 0.1, 0.5])
+        if odd and rng.random() < 0.1:
+            w = -w - 1.0
+        events.append(BlockingEvent(rng.randint(1, 3), "g", "f", a,
+                                    a + abs(w), w, None))
+    return spans, events
+
+
+def test_blocking_marks_are_the_rule_exactly():
+    """is_blocking (indexed) marks exactly the spans the rule marks, on
+    random timelines with overlapping events, zero lengths and (hand-made
+    data) negative walls."""
+    import random
+    from greqprof.renderers.base import ProfileView
+    rng = random.Random(15)
+    for trial in range(60):
+        spans, events = _timeline(rng, 300, rng.randint(0, 60),
+                                  odd=trial % 3 == 0)
+        v = ProfileView(kind="request", title="t", start=spans[0].start,
+                        end=spans[0].end, spans=spans, greenlets=[],
+                        calls=None, blocking=events)
+        for s in spans:
+            assert v.is_blocking(s) == _naive_is_blocking(v, s), (trial, s)
+
+
+def test_blocking_marks_do_not_compare_every_span_with_every_event():
+    """20,000 spans and 2,000 blocking events on one greenlet (a hostile
+    file; a real request has up to max_spans spans and 100 events): each
+    renderer compared every span with every event, 40 million
+    comparisons, 20 s per format.  Counted, not timed: reads of the
+    events' fields stay linear."""
+    from greqprof import BlockingEvent
+    from greqprof.renderers.base import ProfileView
+    reads = [0]
+
+    class Counted(BlockingEvent):
+        def __getattribute__(self, name):
+            reads[0] += 1
+            return object.__getattribute__(self, name)
+
+    from greqprof import Span
+    t0 = 1700000000.0
+    spans = [Span(1, "g", "f", t0 + i * 1e-4, t0 + i * 1e-4 + 5e-5, 5e-5,
+                  None, True, None, False) for i in range(20000)]
+    plain = [BlockingEvent(1, "g", "f", t0 + 0.5 * i, t0 + 0.5 * i + 0.2,
+                           0.2, None) for i in range(2000)]
+    events = [Counted(*(getattr(b, f) for f in BlockingEvent.__annotations__))
+              for b in plain]
+    v = ProfileView(kind="request", title="t", start=t0, end=t0 + 2,
+                    spans=spans, greenlets=[], calls=None, blocking=events)
+    marked = [s for s in spans if v.is_blocking(s)]
+    assert reads[0] < 50 * (len(spans) + len(events)), reads[0]
+    # (the spans under the 4 events of the first 2 s, and those starting
+    # within 1 ms before one)
+    v.blocking = plain[:5]   # (the others start after the last span)
+    assert marked == [s for s in spans if _naive_is_blocking(v, s)]
+    assert 8000 <= len(marked) < 8100

@@ -4,6 +4,7 @@ A renderer never looks at a RequestProfile or a Profiler directly: it calls
 :func:`as_view`, which turns either into a :class:`ProfileView` (spans,
 function statistics, greenlets, plus the request's own data when there is
 one)."""
+import bisect
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -42,6 +43,9 @@ class ProfileView:
     dropped_spans: int = 0
     dropped_calls: int = 0
     blocking: list = field(default_factory=list)
+    #: is_blocking's index of ``blocking`` (built on first use)
+    _blocking_index: Optional[dict] = field(default=None, init=False,
+                                            repr=False, compare=False)
 
     @property
     def duration(self):
@@ -67,12 +71,31 @@ class ProfileView:
         (``long`` spans and the spans of the profile's blocking events)."""
         if span.long:
             return True
-        for b in self.blocking:
-            if b.greenlet_id == span.greenlet_id:
-                overlap = min(b.end, span.end) - max(b.start, span.start)
-                if overlap > 0.5 * min(b.wall, span.wall) or \
-                        abs(b.start - span.start) < 0.001:
-                    return True
+        index = self._blocking_index
+        if index is None:
+            index = self._blocking_index = _index_blocking(self.blocking)
+        group = index.get(span.greenlet_id)
+        if group is None:
+            return False
+        starts, events, end_max, odd = group
+        if span.wall < 0:   # (hand-made data: no shortcut is exact)
+            return any(_marks(b, span) for b in events + odd)
+        if any(_marks(b, span) for b in odd):
+            return True
+        # With both walls >= 0 an event marks the span only if the two
+        # overlap or start within 1 ms: look at events starting before
+        # max(span.end, span.start + 1 ms), latest first, until none
+        # earlier can reach past span.start (a request's events do not
+        # overlap each other, so that is a handful, not all of them).
+        # (2 ms: a margin over 1 ms for rounding; _marks decides exactly)
+        i = bisect.bisect_left(starts, max(span.end, span.start + 0.002))
+        while i > 0:
+            i -= 1
+            if end_max[i] <= span.start and \
+                    starts[i] <= span.start - 0.002:
+                break
+            if _marks(events[i], span):
+                return True
         return False
 
     def greenlet_rows(self):
@@ -109,6 +132,35 @@ class ProfileView:
         if t < self.end:
             out.append((t, self.end))
         return [(a, b) for a, b in out if b > a]
+
+
+def _marks(b, span):
+    """True when blocking event ``b`` marks ``span`` (same greenlet):
+    they overlap by more than half the shorter one, or start within 1 ms
+    of each other."""
+    overlap = min(b.end, span.end) - max(b.start, span.start)
+    return overlap > 0.5 * min(b.wall, span.wall) or \
+        abs(b.start - span.start) < 0.001
+
+
+def _index_blocking(blocking):
+    """greenlet id -> (starts, events sorted by start, running maximum of
+    their ends, events with a negative wall) for ProfileView.is_blocking
+    (which used to compare every span with every event: 20,000 spans and
+    2,000 events took 20 s per format)."""
+    groups = {}
+    for b in blocking:
+        groups.setdefault(b.greenlet_id, []).append(b)
+    index = {}
+    for gid, evs in groups.items():
+        good = sorted((b for b in evs if b.wall >= 0), key=lambda b: b.start)
+        end_max, top = [], float("-inf")
+        for b in good:
+            top = max(top, b.end)
+            end_max.append(top)
+        index[gid] = ([b.start for b in good], good, end_max,
+                      [b for b in evs if not b.wall >= 0])
+    return index
 
 
 def _request_view(p):

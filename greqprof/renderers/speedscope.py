@@ -71,7 +71,10 @@ def call_tree_samples(calls, frame_of, max_depth=MAX_DEPTH,
         path = path + (frame_of(f),)
         on_path = on_path | {key}
         kids = []
-        if len(path) < max_depth and f.ttot > 0 and \
+        # (a function under MIN_US passes nothing on: flow / f.ttot for a
+        # ttot like 5e-324 from a hand-made file overflowed to inf, and
+        # the weights became NaN)
+        if len(path) < max_depth and f.ttot * 1e6 >= MIN_US and \
                 len(samples) + len(stack) < max_samples:
             scale = flow / f.ttot
             for c in f.children:

@@ -5,8 +5,9 @@ RequestProfile.from_dict -> every renderer (every format ``view`` writes).
 The property: the loader either refuses with a one-line ValueError, or
 every renderer renders the profile (RenderError only for a format that
 needs function statistics the profile lacks), text outputs are clean
-(printable line by line, UTF-8 encodable), the JSON formats parse, pstats
-unmarshals, and the json output loads back to the same profile.
+(printable line by line, UTF-8 encodable), the JSON formats parse
+(strictly: no NaN or Infinity), pstats unmarshals, and the json output
+loads back to the same profile.
 
 Inputs: valid profiles (real ones from the synthetic builder, then
 mutated: any field replaced by any JSON value, removed, or given odd
@@ -116,6 +117,11 @@ def check_text(out, fmt):
     out.encode("utf-8")
 
 
+def _no_constant(name):
+    # (Python reads NaN/Infinity back; speedscope and Perfetto do not)
+    raise AssertionError("%s in a JSON output" % name)
+
+
 def render_all(profile):
     for name, r in RENDERERS.items():
         try:
@@ -129,7 +135,7 @@ def render_all(profile):
         assert isinstance(out, str), name
         check_text(out, name)
         if name in ("json", "trace", "speedscope"):
-            json.loads(out)
+            json.loads(out, parse_constant=_no_constant)
         if name == "json":
             back = RequestProfile.from_dict(json.loads(out))
             assert back.to_dict() == profile.to_dict()
