@@ -65,6 +65,18 @@ static PyObject *profile_window_py(PyObject *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* _registry.open_profiles(hooks): sampled profiles open in that thread,
+ * as the CPU window counts them (tests). */
+static PyObject *open_profiles_py(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromLong(st ? st->open_profiles : 0);
+}
+
 /* _registry.cpu_windows(profiling_ns, idle_ns) */
 static PyObject *cpu_windows_py(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
@@ -220,6 +232,7 @@ typedef struct {
     char finalizing;   /* set when a _finalize takes the request on */
     char counted_trigger;   /* its slot is one of the trigger reserve */
     char has_slot;          /* it holds a slot (released once) */
+    char end_seen;          /* observers heard of its response's end */
     gqp_py_thread *st;      /* the hooks of the thread it began in ... */
     uint64_t st_gen;        /* ... as they were then */
 } gqp_req;
@@ -494,6 +507,14 @@ static gqp_profile *greenlet_profile(gqp_py_thread *st, PyObject *g)
 static int req_finish(gqp_mw *mw, gqp_req *req)
 {
     if (req->done == Py_True) {
+        if (req->truncated == Py_True && !req->end_seen && mw->observers &&
+            req->st && req->st == gqp__tls) {
+            /* Closed by max_lifetime while it went on: observers still
+             * hear of its response's end (their span is open until
+             * then), without a snapshot. */
+            req->end_seen = 1;
+            return lifecycle_hook(mw, str_observe_end, req);
+        }
         return 0;
     }
     PyObject *end = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
@@ -545,6 +566,7 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     if (mw->observers) {
         /* Observers (OpenTelemetry) see the end of the response while
          * their span is open: Python's hook, which also drains. */
+        req->end_seen = 1;
         if (lifecycle_hook(mw, str_observe_end, req) < 0) {
             stop = PyErr_GetRaisedException();
         }
@@ -1018,7 +1040,10 @@ static void request_unregister(gqp_mw *self, gqp_py_thread *st,
                                gqp_req *req, int calls_acquired)
 {
     PyObject *exc = PyErr_GetRaisedException();
-    if (has_profile(req)) {
+    if (has_profile(req) && !req->finalizing) {
+        /* (finalized meanwhile, by max_lifetime while an observer's
+         * on_begin waited: the window and the call hook are given back
+         * already) */
         if (st == gqp__tls && st->active && st->tracer) {
             attach_greenlet(st, req->greenlet, NULL);
             profile_window(st, -1);
@@ -1189,9 +1214,6 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
         Py_DECREF(r);
         calls_acquired = 1;
     }
-    if (p) {
-        count_stat(self, str_sampled);
-    }
     if (self->observers) {
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
                                                 str_observe_begin,
@@ -1204,6 +1226,10 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
             return NULL;
         }
         Py_DECREF(r);
+    }
+    if (p) {
+        /* (counted once it runs: not when an observer stopped it) */
+        count_stat(self, str_sampled);
     }
     return req;
 fail_window:
@@ -1852,6 +1878,9 @@ static PyMethodDef set_spawn_profile_def = {
 static PyMethodDef finish_pending_def = {
     "finish_pending", (PyCFunction)(void (*)(void))finish_pending_py,
     METH_FASTCALL, "finish_pending(engine, pending, now) (internal)."};
+static PyMethodDef open_profiles_def = {
+    "open_profiles", (PyCFunction)open_profiles_py, METH_O,
+    "open_profiles(hooks) (internal)."};
 static PyMethodDef greenlet_profile_def = {
     "greenlet_profile", (PyCFunction)(void (*)(void))greenlet_profile_py,
     METH_FASTCALL, "greenlet_profile(tracer, greenlet) (internal)."};
@@ -1913,7 +1942,8 @@ static int gqp_py_sampled_init(PyObject *reg)
     }
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
                            &new_profile_def, &set_spawn_profile_def,
-                           &finish_pending_def, &greenlet_profile_def};
+                           &finish_pending_def, &greenlet_profile_def,
+                           &open_profiles_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

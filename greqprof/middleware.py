@@ -407,8 +407,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 # (a greenlet in a profile is another request's by now)
                 eng.tracer.attach_id(req.greenlet, 0)
         self._drain_blocking(eng)
+        # (a truncated request's profile is delivered already)
         snapshot = (self._build(eng, req, snapshot=True)
-                    if req.profile is not None else None)
+                    if req.profile is not None and not req.truncated
+                    else None)
         for obs in self.observers:
             self._notify(obs, "on_response_end", req, snapshot,
                          list(req.blocking))

@@ -365,3 +365,133 @@ def test_a_second_profiler_in_a_middleware_thread_is_refused(serve):
         a.stop()
     assert {f.name: f.ncall for f in a.func_stats()}.get(
         "outside_work_after_the_refusal") == 1
+
+
+# ---------------------------------------------------------------------------
+# observers and max_lifetime (the reviewer's suspicions, proven here)
+
+class _Recorder:
+    """An observer that records what it hears of."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_begin(self, req):
+        self.events.append(("begin", req.path))
+
+    def on_response_end(self, req, snapshot, blocking):
+        self.events.append(("end", req.path, snapshot is None))
+
+    def on_profile(self, req, profile):
+        self.events.append(("profile", req.path, profile.truncated))
+
+
+def test_a_truncated_request_still_reaches_on_response_end(serve):
+    """max_lifetime closes a stream's profile (on_profile, truncated);
+    when the stream ends, observers still hear of the response's end
+    (their span is open until then), once, without a snapshot."""
+    rec = _Recorder()
+    go_on = gevent.event.Event()
+
+    def app(environ, start_response):
+        start_response("200 OK", [])
+
+        def gen():
+            yield b"a"
+            go_on.wait(DEADLINE)
+            yield b"b"
+        return gen()
+
+    s = serve(app, pct=1.0, linger=0, max_lifetime=0.1, observers=[rec])
+    job = gevent.spawn(s.get, "/stream")
+    wait_for(lambda: ("profile", "/stream", True) in rec.events,
+             what="the truncated profile")
+    go_on.set()
+    assert job.get(timeout=DEADLINE).status == 200
+    wait_for(lambda: [e for e in rec.events if e[0] == "end"],
+             what="on_response_end")
+    settle(0.1)
+    assert rec.events == [("begin", "/stream"),
+                          ("profile", "/stream", True),
+                          ("end", "/stream", True)]
+
+
+def _open_profiles():
+    from greqprof import _registry, engine
+    return _registry.open_profiles(engine.current_engine().tracer.hooks_addr)
+
+
+def test_an_on_begin_outliving_max_lifetime_releases_once(serve):
+    """An observer's on_begin waits past max_lifetime (the reaper closes
+    the profile meanwhile), then raises its Timeout: the request's CPU
+    window and slot are given back once, not twice (another request's
+    open profile keeps the narrow window)."""
+    inside, release = [], gevent.event.Event()
+
+    def long_app(environ, start_response):
+        inside.append(1)
+        release.wait(DEADLINE)
+        start_response("200 OK", [("Content-Length", "2")])
+        return [b"ok"]
+
+    raised, truncated = [], gevent.event.Event()
+
+    class SlowBegin:
+        def on_begin(self, req):
+            try:
+                truncated.wait(DEADLINE)   # the reaper closes it meanwhile
+                raise gevent.Timeout()     # then on_begin gives up
+            finally:
+                raised.append(1)
+
+    long_s = serve(long_app, pct=1.0, linger=0)
+    job = gevent.spawn(long_s.get, "/long")
+    wait_for(lambda: inside, what="/long open")
+    assert _open_profiles() == 1
+    profiles = []
+
+    def sink(p):
+        profiles.append(p)
+        truncated.set()
+
+    s = serve(lambda e, sr: (sr("200 OK", []), [b"ok"])[1], pct=1.0,
+              linger=0, max_lifetime=0.1, observers=[SlowBegin()], sink=sink)
+
+    def slow():
+        sock = connect(s.port)
+        sock.sendall(request_bytes("/slow"))
+        try:
+            read_all(sock)
+        except OSError:
+            pass
+    other = gevent.spawn(slow)
+    wait_for(lambda: raised, what="on_begin to give up")
+    settle(0.1)
+    assert [p.truncated for p in profiles] == [True]
+    assert _open_profiles() == 1       # /long's, still open
+    assert s.mw._open == 0
+    release.set()
+    assert job.get(timeout=DEADLINE).status == 200
+    wait_for(lambda: _open_profiles() == 0, what="the window back")
+    other.kill()
+
+
+def test_sampled_is_not_counted_when_on_begin_stops_the_request(serve):
+    """An observer's on_begin lets a BaseException out: the request never
+    runs, so it is not counted in stats['sampled']."""
+    class Stopping:
+        def on_begin(self, req):
+            raise gevent.Timeout()
+
+    s = serve(lambda e, sr: (sr("200 OK", []), [b"ok"])[1], pct=1.0,
+              linger=0, observers=[Stopping()])
+    sock = connect(s.port)
+    sock.sendall(request_bytes("/stopped"))
+    try:
+        read_all(sock)
+    except OSError:
+        pass
+    wait_for(lambda: s.mw.stats["requests"] == 1, what="the request")
+    settle(0.1)
+    assert s.mw.stats["sampled"] == 0
+    assert s.mw._open == 0 and s.profiles == []
