@@ -418,7 +418,7 @@ static PyObject *str_skipped_full, *str_observe_begin, *str_observe_end,
     *str_release_calls, *str_abandoned;
 static PyObject *str_finish, *str_finalize, *str_drain_blocking,
     *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
-    *str_close, *str_status_kw,
+    *str_close, *str_status_kw, *str_wake_from_thread,
     *str_finish_where;
 
 /* The hooks of the thread req began in, when that is the calling thread
@@ -540,6 +540,15 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
             Py_XDECREF(pending);
             Py_XDECREF(item);
             PyErr_Clear();
+            if (rc == 0) {
+                /* Its thread's finisher, woken now, detaches the greenlet
+                 * (its tracer is that thread's) before the greenlet's
+                 * next request records into this profile. */
+                PyObject *r = PyObject_CallMethodOneArg(
+                    (PyObject *)mw, str_wake_from_thread, eng);
+                Py_XDECREF(r);
+                PyErr_Clear();
+            }
         } else {
             rc = -1;
         }
@@ -1676,6 +1685,16 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         }
         gqp_mw *mw = (gqp_mw *)PyTuple_GET_ITEM(item, 0);
         gqp_req *req = (gqp_req *)PyTuple_GET_ITEM(item, 1);
+        gqp_py_thread *rst = req_state(req);
+        if (rst && req->done == Py_True && has_profile(req) &&
+            !is_dead(req->greenlet) &&
+            greenlet_profile(rst, req->greenlet) ==
+                ((gqp_profref *)req->profile)->p) {
+            /* Finished from another thread, which could not use this
+             * thread's tracer: its greenlet leaves the profile now. */
+            attach_greenlet(rst, req->greenlet, NULL);
+            PyErr_Clear();
+        }
         int wait = 0;
         if (req->greenlet && req->greenlet != Py_None && !req->finalizing &&
             req->profile &&
@@ -1898,6 +1917,7 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_wake_finisher_soon, "_wake_finisher_soon"},
         {&str_sampled, "sampled"}, {&str_empty, ""}, {&str_close, "close"},
         {&str_status_kw, "status"},
+        {&str_wake_from_thread, "_wake_finisher_from_thread"},
         {&str_finish_where, "finish"}, {&str_finalize_py, "_finalize_py"},
         {&str_deliver, "_deliver"}, {&str_report, "report"},
         {&str_sink, "sink"}, {&str_outputs, "_outputs"}, {&str_pid, "pid"},

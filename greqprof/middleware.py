@@ -496,6 +496,13 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         import gevent
         gevent.get_hub().loop.run_callback(self._wake_finisher, eng)
 
+    def _wake_finisher_from_thread(self, eng):
+        """A request of eng's thread was finished from this (another)
+        thread: eng's finisher is woken in its own thread."""
+        hub = eng.hub
+        if hub is not None and not eng.abandoned:
+            hub.loop.run_callback_threadsafe(self._wake_finisher_soon, eng)
+
     def _wake_finisher(self, eng):
         # Runs in the hub: the finisher is spawned from here so it belongs
         # to no request.

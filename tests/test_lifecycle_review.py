@@ -495,3 +495,44 @@ def test_sampled_is_not_counted_when_on_begin_stops_the_request(serve):
     settle(0.1)
     assert s.mw.stats["sampled"] == 0
     assert s.mw._open == 0 and s.profiles == []
+
+
+# ---------------------------------------------------------------------------
+# a body closed in another OS thread
+
+def test_a_body_closed_in_another_thread_detaches_its_greenlet(serve):
+    """Request 1's body is closed by another OS thread (a server handing
+    bodies to a worker thread): the request is finished by its own thread,
+    its greenlet detached, so what the greenlet runs for its next
+    (unsampled) request is not in request 1's profile."""
+    import threading
+    next_work = make_function("next_request_work")
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/two":
+            gevent.sleep(0.05)   # (the loop runs its queued callbacks)
+            next_work()
+        start_response("200 OK", [("Content-Length", "2")])
+        return iter([b"ok"])
+
+    draws = iter([0.0, 0.99])          # /one sampled, /two not
+
+    def closing_elsewhere(mw):
+        def wsgi(environ, start_response):
+            body = mw(environ, start_response)
+            data = b"".join(body)
+            close = getattr(body, "close", None)
+            if close is not None:
+                t = threading.Thread(target=close)
+                t.start()
+                t.join()
+            return [data]
+        return wsgi
+
+    s = serve(app, pct=0.5, rng=lambda: next(draws), linger=0.2,
+              calls=True, wrap=closing_elsewhere)
+    keepalive_gets(s.port, ["/one", "/two"]).close()
+    one = s.profile_for("/one")
+    assert func_named(one, "next_request_work") is None, \
+        sorted(f.name for f in one.calls)
+    wait_for(lambda: s.mw._open == 0, what="the slot back")
