@@ -44,3 +44,9 @@ note = None
 #: the greenlet and its live spawners (gevent's spawning_greenlet), note the
 #: first (method, path, request_id) noted along it, or None
 request_note = None
+#: greenlet_profile(tracer_address, greenlet): the address of the open
+#: profile the greenlet is attached to, 0 when none (see _sampled.c)
+greenlet_profile = None
+#: open_profiles(hooks_address): sampled profiles open in that thread, as
+#: its CPU window counts them (see _sampled.c; tests)
+open_profiles = None
