@@ -401,6 +401,8 @@ static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
                                    Py_ssize_t nargs);
 static PyObject *mw_build_profile(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
+static PyObject *mw_reentered(gqp_mw *self, PyObject *unused);
+static int reentered(gqp_mw *self);
 static int gqp_py_sampled_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
@@ -599,11 +601,19 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     if (!self->enabled) {
         return call_app(self, environ, start_response);
     }
-    if (PyDict_CheckExact(environ)) {
+    if (PyDict_Check(environ)) {
         /* Wrapped twice (Flask's app.wsgi_app plus a server hook that
          * wraps again): the outer middleware marks the request, the inner
-         * one defers to it (and says so once, in Python). */
+         * one defers to it (and says so once, in Python).  Any dict is
+         * marked here (gevent's WSGISecureEnviron is a subclass); other
+         * mappings in _call_slow. */
         PyObject *outer = PyDict_GetItemWithError(environ, str_mark_key);
+        if (outer == (PyObject *)self && reentered(self)) {
+            /* The app forwards the request to this middleware again (the
+             * root app, same environ): it is profiled once, by the outer
+             * call. */
+            return call_app(self, environ, start_response);
+        }
         if (outer && outer != (PyObject *)self) {
             if (!self->deferred) {
                 self->deferred = 1;
@@ -901,6 +911,8 @@ static PyMethodDef mw_methods[] = {
      "True when the calling thread takes the C path (internal)."},
     {"_call_profiled", (PyCFunction)(void (*)(void))mw_call_profiled,
      METH_FASTCALL, "Runs the app for an open request (internal)."},
+    {"_reentered", (PyCFunction)mw_reentered, METH_NOARGS,
+     "True when this request re-enters the middleware (internal)."},
     {"_begin_request", (PyCFunction)(void (*)(void))mw_begin_request,
      METH_FASTCALL, "Begins a profiled or observed request (internal)."},
     {"_lifecycle_setup", (PyCFunction)mw_lifecycle_setup, METH_O,

@@ -48,3 +48,9 @@ request_note = None
 #: report's common part from a deferred profile's rows (a C function, see
 #: _render.c; used by greqprof.report)
 render_rows = None
+#: greenlet_profile(tracer_address, greenlet): the address of the open
+#: profile the greenlet is attached to, 0 when none (see _sampled.c)
+greenlet_profile = None
+#: open_profiles(hooks_address): sampled profiles open in that thread, as
+#: its CPU window counts them (see _sampled.c; tests)
+open_profiles = None

@@ -65,6 +65,18 @@ static PyObject *profile_window_py(PyObject *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* _registry.open_profiles(hooks): sampled profiles open in that thread,
+ * as the CPU window counts them (tests). */
+static PyObject *open_profiles_py(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromLong(st ? st->open_profiles : 0);
+}
+
 /* _registry.cpu_windows(profiling_ns, idle_ns) */
 static PyObject *cpu_windows_py(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
@@ -220,6 +232,7 @@ typedef struct {
     char finalizing;   /* set when a _finalize takes the request on */
     char counted_trigger;   /* its slot is one of the trigger reserve */
     char has_slot;          /* it holds a slot (released once) */
+    char end_seen;          /* observers heard of its response's end */
     gqp_py_thread *st;      /* the hooks of the thread it began in ... */
     uint64_t st_gen;        /* ... as they were then */
 } gqp_req;
@@ -405,7 +418,7 @@ static PyObject *str_skipped_full, *str_observe_begin, *str_observe_end,
     *str_release_calls, *str_abandoned;
 static PyObject *str_finish, *str_finalize, *str_drain_blocking,
     *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
-    *str_close,
+    *str_close, *str_status_kw, *str_wake_from_thread,
     *str_finish_where;
 
 /* The hooks of the thread req began in, when that is the calling thread
@@ -474,6 +487,17 @@ static int lifecycle_hook(gqp_mw *mw, PyObject *name, gqp_req *req)
     return 0;
 }
 
+/* The open profile greenlet g (of st's thread) is attached to, or NULL. */
+static gqp_profile *greenlet_profile(gqp_py_thread *st, PyObject *g)
+{
+    gqp_profile *p = NULL;
+    if (!st->tracer || gqp_tracer_greenlet_profile(
+            st->tracer, (uint64_t)(uintptr_t)g, &p) != GQP_OK) {
+        return NULL;
+    }
+    return p;
+}
+
 /* The response of req is done (closed, collected, or the app raised):
  * its greenlet leaves the profile, observers hear of it, and the profile
  * is finalized now (linger 0) or queued for the engine's finisher.  Every
@@ -483,6 +507,14 @@ static int lifecycle_hook(gqp_mw *mw, PyObject *name, gqp_req *req)
 static int req_finish(gqp_mw *mw, gqp_req *req)
 {
     if (req->done == Py_True) {
+        if (req->truncated == Py_True && !req->end_seen && mw->observers &&
+            req->st && req->st == gqp__tls) {
+            /* Closed by max_lifetime while it went on: observers still
+             * hear of its response's end (their span is open until
+             * then), without a snapshot. */
+            req->end_seen = 1;
+            return lifecycle_hook(mw, str_observe_end, req);
+        }
         return 0;
     }
     PyObject *end = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
@@ -508,6 +540,15 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
             Py_XDECREF(pending);
             Py_XDECREF(item);
             PyErr_Clear();
+            if (rc == 0) {
+                /* Its thread's finisher, woken now, detaches the greenlet
+                 * (its tracer is that thread's) before the greenlet's
+                 * next request records into this profile. */
+                PyObject *r = PyObject_CallMethodOneArg(
+                    (PyObject *)mw, str_wake_from_thread, eng);
+                Py_XDECREF(r);
+                PyErr_Clear();
+            }
         } else {
             rc = -1;
         }
@@ -518,7 +559,12 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
         return 0;
     }
     gqp_profile *p = sampled ? ((gqp_profref *)req->profile)->p : NULL;
-    if (sampled && !is_dead(req->greenlet)) {
+    /* own: the greenlet is still in this request's profile.  A late
+     * finish (the body collected, or closed elsewhere, while the greenlet
+     * already serves its next request) must leave it where it is now. */
+    int own = sampled && !is_dead(req->greenlet) &&
+              greenlet_profile(st, req->greenlet) == p;
+    if (own) {
         /* Later spans of this greenlet (the next keep-alive request) are
          * not this request's; greenlets it spawned still are.  (A dead
          * greenlet's spans are over: attaching it would make the tracer a
@@ -529,6 +575,7 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     if (mw->observers) {
         /* Observers (OpenTelemetry) see the end of the response while
          * their span is open: Python's hook, which also drains. */
+        req->end_seen = 1;
         if (lifecycle_hook(mw, str_observe_end, req) < 0) {
             stop = PyErr_GetRaisedException();
         }
@@ -549,7 +596,10 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
                                           str_lingering);
         PyObject *pending = engine_part(mw, eng, mw->pending, str_pending);
         uint64_t key = (uint64_t)(uintptr_t)req->greenlet;
-        gqp_tracer_set_spawn_profile(st->tracer, key, p);
+        if (own) {
+            /* (a greenlet gone on to another request spawns for that one) */
+            gqp_tracer_set_spawn_profile(st->tracer, key, p);
+        }
         PyObject *k = PyLong_FromVoidPtr(req->greenlet);
         PyObject *item = k ? PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req)
                            : NULL;
@@ -557,11 +607,11 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
          * finalized. */
         rc = item && pending && PyList_Check(pending) &&
              PyList_Append(pending, item) == 0 ? 0 : -1;
-        if (rc == 0 && lingering && PyDict_Check(lingering) &&
+        if (rc == 0 && own && lingering && PyDict_Check(lingering) &&
             PyDict_SetItem(lingering, k, (PyObject *)req) < 0) {
             rc = -1;   /* (queued: finalized all the same, not lingering) */
         }
-        if (rc < 0) {
+        if (rc < 0 && own) {
             gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
         }
         Py_XDECREF(k);
@@ -650,25 +700,23 @@ static void startresp_dealloc(gqp_startresp *self)
 }
 
 /* start_response(status, headers, exc_info=None): records the status and
- * calls the server's with the same arguments (exc_info only when given). */
+ * calls the server's with the same arguments, positional or keywords
+ * (status=, headers= or PEP 3333's response_headers=, exc_info=): the
+ * server checks them as it would without greqprof. */
 static PyObject *startresp_call(gqp_startresp *self, PyObject *args,
                                 PyObject *kwargs)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    PyObject *exc_info = n == 3 ? PyTuple_GET_ITEM(args, 2) : Py_None;
-    Py_ssize_t nkw = kwargs ? PyDict_GET_SIZE(kwargs) : 0;
-    if (nkw == 1 && n == 2) {
-        exc_info = PyDict_GetItemString(kwargs, "exc_info");
-    }
-    if (n < 2 || n > 3 || nkw > 1 || (nkw && n == 3) || !exc_info) {
-        PyErr_SetString(PyExc_TypeError,
-                        "start_response(status, headers, exc_info=None)");
-        return NULL;
-    }
-    Py_INCREF(exc_info);   /* (cleaning the status may run Python) */
-    if (self->req) {
+    PyObject *st = PyTuple_GET_SIZE(args) > 0 ? PyTuple_GET_ITEM(args, 0)
+                   : kwargs && PyDict_Check(kwargs)
+                       ? PyDict_GetItemWithError(kwargs, str_status_kw)
+                       : NULL;
+    PyErr_Clear();
+    /* (held: cleaning the status may run Python) */
+    Py_XINCREF(st);
+    Py_INCREF(args);
+    Py_XINCREF(kwargs);
+    if (st && self->req) {
         /* The status as clean text: a bytes status is latin-1 (WSGI). */
-        PyObject *st = PyTuple_GET_ITEM(args, 0);
         PyObject *text = PyBytes_Check(st)
             ? PyUnicode_DecodeLatin1(PyBytes_AS_STRING(st),
                                      PyBytes_GET_SIZE(st), NULL)
@@ -684,11 +732,10 @@ static PyObject *startresp_call(gqp_startresp *self, PyObject *args,
             PyErr_Clear();   /* (never the app's error) */
         }
     }
-    PyObject *fwd[] = {PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1),
-                       exc_info};
-    PyObject *r = PyObject_Vectorcall(self->start_response, fwd,
-                                      exc_info == Py_None ? 2 : 3, NULL);
-    Py_DECREF(exc_info);
+    Py_XDECREF(st);
+    PyObject *r = PyObject_Call(self->start_response, args, kwargs);
+    Py_DECREF(args);
+    Py_XDECREF(kwargs);
     return r;
 }
 
@@ -976,22 +1023,24 @@ static PyObject *environ_str(PyObject *environ, PyObject *key, Py_ssize_t max)
     return r;
 }
 
-/* One more profile slot for a request sampled by `trigger` or not
- * (max_open, or the trigger reserve): 1 if taken. */
+/* One more profile slot for a request sampled by `trigger` or not:
+ * SLOT_OPEN (one of max_open), SLOT_RESERVE (a trigger request's own
+ * reserve, taken first), or 0 (none free).  A trigger request falls back
+ * to an ordinary slot when its reserve is full: the reserve is in
+ * addition to max_open, never a cap on trigger requests. */
+#define SLOT_OPEN 1
+#define SLOT_RESERVE 2
 static int slot_acquire(gqp_mw *self, int trigger)
 {
-    if (trigger) {
-        if (self->trigger_open >= GQP_TRIGGER_SLOTS) {
-            return 0;
-        }
+    if (trigger && self->trigger_open < GQP_TRIGGER_SLOTS) {
         self->trigger_open++;
-        return 1;
+        return SLOT_RESERVE;
     }
     if (self->open >= self->max_open) {
         return 0;
     }
     self->open++;
-    return 1;
+    return SLOT_OPEN;
 }
 
 /* Undoes open_request's registration of req (a hook raised): its profile
@@ -1000,7 +1049,10 @@ static void request_unregister(gqp_mw *self, gqp_py_thread *st,
                                gqp_req *req, int calls_acquired)
 {
     PyObject *exc = PyErr_GetRaisedException();
-    if (has_profile(req)) {
+    if (has_profile(req) && !req->finalizing) {
+        /* (finalized meanwhile, by max_lifetime while an observer's
+         * on_begin waited: the window and the call hook are given back
+         * already) */
         if (st == gqp__tls && st->active && st->tracer) {
             attach_greenlet(st, req->greenlet, NULL);
             profile_window(st, -1);
@@ -1059,15 +1111,15 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     if (!req) {
         PyErr_Clear();
         if (slot) {
-            open_release(self, trigger);
+            open_release(self, slot == SLOT_RESERVE);
         }
         return NULL;
     }
     memset((char *)req + sizeof(PyObject), 0,
            sizeof(gqp_req) - sizeof(PyObject));
     PyObject_GC_Track(req);
-    req->has_slot = (char)slot;
-    req->counted_trigger = (char)trigger;
+    req->has_slot = slot != 0;
+    req->counted_trigger = slot == SLOT_RESERVE;
     PyObject *rid = environ_get(environ, str_rid_key);
     if (rid && PyObject_IsTrue(rid) == 1) {
         req->request_id = str_cut(rid, GQP_NOTE_MAX_RID);
@@ -1171,9 +1223,6 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
         Py_DECREF(r);
         calls_acquired = 1;
     }
-    if (p) {
-        count_stat(self, str_sampled);
-    }
     if (self->observers) {
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
                                                 str_observe_begin,
@@ -1186,6 +1235,10 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
             return NULL;
         }
         Py_DECREF(r);
+    }
+    if (p) {
+        /* (counted once it runs: not when an observer stopped it) */
+        count_stat(self, str_sampled);
     }
     return req;
 fail_window:
@@ -1232,6 +1285,55 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
     PyObject *r = run_profiled(self, req, environ, start_response);
     Py_DECREF(req);
     return r;
+}
+
+/* Whether self already has a request open (its response not done) on the
+ * running greenlet of its armed thread: called only for an environ that
+ * self marked already (an internal forward to the root app with the same
+ * environ), which then passes through instead of being profiled twice. */
+static int reentered(gqp_mw *self)
+{
+    gqp_py_thread *st = armed_state(self);
+    uint64_t id = 0;
+    if (!st || !self->requests ||
+        gqp_tracer_current(st->tracer, NULL, &id, NULL) != GQP_OK) {
+        return 0;
+    }
+    PyObject *k = PyLong_FromUnsignedLongLong(id);
+    PyObject *r = k ? PyDict_GetItemWithError(self->requests, k) : NULL;
+    Py_XDECREF(k);
+    PyErr_Clear();
+    return r && PyObject_TypeCheck(r, &gqp_req_type) &&
+           ((gqp_req *)r)->owner == (PyObject *)self &&
+           ((gqp_req *)r)->done != Py_True;
+}
+
+/* MiddlewareBase._reentered(): reentered() for Python's _call_slow. */
+static PyObject *mw_reentered(gqp_mw *self, PyObject *unused)
+{
+    (void)unused;
+    return PyBool_FromLong(reentered(self));
+}
+
+/* _registry.greenlet_profile(tracer, greenlet): the address of the open
+ * profile greenlet is attached to, 0 when none (or unseen). */
+static PyObject *greenlet_profile_py(PyObject *self, PyObject *const *args,
+                                     Py_ssize_t nargs)
+{
+    (void)self;
+    if (want_args(nargs, 2, "greenlet_profile") < 0) {
+        return NULL;
+    }
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    gqp_profile *p = NULL;
+    if (t && gqp_tracer_greenlet_profile(t, (uint64_t)(uintptr_t)args[1],
+                                         &p) != GQP_OK) {
+        p = NULL;
+    }
+    return PyLong_FromVoidPtr(p);
 }
 
 /* MiddlewareBase._begin_request(environ, sampled_by): Python's policy
@@ -1612,6 +1714,16 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         }
         gqp_mw *mw = (gqp_mw *)PyTuple_GET_ITEM(item, 0);
         gqp_req *req = (gqp_req *)PyTuple_GET_ITEM(item, 1);
+        gqp_py_thread *rst = req_state(req);
+        if (rst && req->done == Py_True && has_profile(req) &&
+            !is_dead(req->greenlet) &&
+            greenlet_profile(rst, req->greenlet) ==
+                ((gqp_profref *)req->profile)->p) {
+            /* Finished from another thread, which could not use this
+             * thread's tracer: its greenlet leaves the profile now. */
+            attach_greenlet(rst, req->greenlet, NULL);
+            PyErr_Clear();
+        }
         int wait = 0;
         if (req->greenlet && req->greenlet != Py_None && !req->finalizing &&
             req->profile &&
@@ -1814,6 +1926,12 @@ static PyMethodDef set_spawn_profile_def = {
 static PyMethodDef finish_pending_def = {
     "finish_pending", (PyCFunction)(void (*)(void))finish_pending_py,
     METH_FASTCALL, "finish_pending(engine, pending, now) (internal)."};
+static PyMethodDef open_profiles_def = {
+    "open_profiles", (PyCFunction)open_profiles_py, METH_O,
+    "open_profiles(hooks) (internal)."};
+static PyMethodDef greenlet_profile_def = {
+    "greenlet_profile", (PyCFunction)(void (*)(void))greenlet_profile_py,
+    METH_FASTCALL, "greenlet_profile(tracer, greenlet) (internal)."};
 static PyMethodDef new_profile_def = {
     "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
     METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
@@ -1827,6 +1945,8 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_finisher_woken, "finisher_woken"},
         {&str_wake_finisher_soon, "_wake_finisher_soon"},
         {&str_sampled, "sampled"}, {&str_empty, ""}, {&str_close, "close"},
+        {&str_status_kw, "status"},
+        {&str_wake_from_thread, "_wake_finisher_from_thread"},
         {&str_finish_where, "finish"}, {&str_finalize_py, "_finalize_py"},
         {&str_deliver, "_deliver"}, {&str_report, "report"},
         {&str_sink, "sink"}, {&str_outputs, "_outputs"}, {&str_pid, "pid"},
@@ -1871,7 +1991,8 @@ static int gqp_py_sampled_init(PyObject *reg)
     }
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
                            &new_profile_def, &set_spawn_profile_def,
-                           &finish_pending_def};
+                           &finish_pending_def, &greenlet_profile_def,
+                           &open_profiles_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

@@ -103,6 +103,16 @@ class Engine:
         self.sampled_stacks = {}
         self.generation = _fork_generation[0]
         self.abandoned = False
+        # the Profiler session recorded through this tracer (its default
+        # profile), or None (profiler._Session.share)
+        self.session = None
+        # the thread's hub: a request finished from another thread wakes
+        # this thread's finisher through its loop
+        try:
+            import gevent
+            self.hub = gevent.get_hub()
+        except Exception:
+            self.hub = None
 
     def profile_opened(self):
         # The first open profile narrows the CPU window: the next event

@@ -287,8 +287,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         waiting for their requests' greenlets (see ``linger``), so nothing
         is lost when a worker exits: those of every middleware the thread
         serves, each delivered by its own.  ``timeout``: seconds after
-        which the rest is given up (a sink that hangs cannot hold the
-        exit); None: no limit.  Returns how many were delivered.
+        which the rest is given up, a delivery under way included (a
+        gevent.Timeout interrupts a sink or a log handler that waits on
+        gevent; one that blocks the whole thread without yielding, such as
+        an unpatched ``time.sleep``, cannot be interrupted); None: no
+        limit.  Returns how many were delivered.
 
         It also runs by itself at interpreter exit (``atexit``, for the
         thread that exits) and, under ``python -m greqprof serve``, on
@@ -313,9 +316,12 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         yet), which Python decides."""
         req = None
         if self.enabled and not isinstance(environ, dict):
-            # (an exact dict is marked by the C path)
+            # (a dict is marked by the C path)
             try:
                 outer = environ.get(MARK_KEY)
+                if outer is self and self._reentered():
+                    # forwarded to this middleware again: profiled once
+                    return self.app(environ, start_response)
                 if outer is not None and outer is not self:
                     self._defer(outer)
                     return self.app(environ, start_response)
@@ -413,11 +419,16 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 req.gid is not None and not req.greenlet.dead:
             run = eng.tracer.running_since()
             if run is not None and run[1] == req.gid and \
-                    req.end_ns - run[0] >= self.config.blocking_ns:
+                    req.end_ns - run[0] >= self.config.blocking_ns and \
+                    not _registry.greenlet_profile(eng.tracer.addr,
+                                                   req.greenlet):
+                # (a greenlet in a profile is another request's by now)
                 eng.tracer.attach_id(req.greenlet, 0)
         self._drain_blocking(eng)
+        # (a truncated request's profile is delivered already)
         snapshot = (self._build(eng, req, snapshot=True)
-                    if req.profile is not None else None)
+                    if req.profile is not None and not req.truncated
+                    else None)
         for obs in self.observers:
             self._notify(obs, "on_response_end", req, snapshot,
                          list(req.blocking))
@@ -503,11 +514,22 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         import gevent
         gevent.get_hub().loop.run_callback(self._wake_finisher, eng)
 
+    def _wake_finisher_from_thread(self, eng):
+        """A request of eng's thread was finished from this (another)
+        thread: eng's finisher is woken in its own thread."""
+        hub = eng.hub
+        if hub is not None and not eng.abandoned:
+            hub.loop.run_callback_threadsafe(self._wake_finisher_soon, eng)
+
     def _wake_finisher(self, eng):
         # Runs in the hub: the finisher is spawned from here so it belongs
         # to no request.
         import gevent
         fin = eng.finisher
+        if not eng.reaper_started and not eng.abandoned:
+            # (the reaper was killed: started again)
+            eng.reaper_started = True
+            gevent.spawn(_reaper_main, eng)
         if fin is None or fin.dead:
             eng.finisher = gevent.spawn(_finisher_loop, eng)
         elif eng.finisher_wake is not None:  # (else: not started yet)
@@ -542,7 +564,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         try:
             import gevent
             # Spawned from the hub so it belongs to no request.
-            gevent.get_hub().loop.run_callback(gevent.spawn, _reaper_loop,
+            gevent.get_hub().loop.run_callback(gevent.spawn, _reaper_main,
                                                eng)
         except Exception as e:
             self._internal_error("reaper", e)
@@ -556,7 +578,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         req.end_ns = now
         g = req.greenlet
         try:
-            if not g.dead:
+            # (detached only from this request's profile: by now g may
+            # serve another request, in that one's profile)
+            if not g.dead and _registry.greenlet_profile(
+                    eng.tracer.addr, g) == req.addr:
                 eng.tracer.attach_id(g, 0)
             if eng.lingering.get(id(g)) is req:
                 del eng.lingering[id(g)]
@@ -598,7 +623,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if owner is not None and rec[2] < owner.start_ns:
             owner = None  # a freed profile's address, reused since
         if owner is None:
-            owner = self._request_of_greenlet(eng, rec[10], rec[9])
+            owner = self._request_of_greenlet(eng, rec[10], rec[9], rec[2])
         ev = self._blocking_event(eng, rec, owner)
         if owner is not None and \
                 len(owner.blocking) < self.MAX_BLOCKING_PER_REQUEST:
@@ -611,17 +636,24 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 mw._log_blocking(ev)
 
     @staticmethod
-    def _request_of_greenlet(eng, chain, note):
-        """The request a long span belongs to: the open request (sampled,
-        or seen by observers) of its greenlet or of the nearest of its
-        spawners (chain: their ids, from the hooks), else the unsampled
-        request noted for them (note: (method, path, request id) or
-        None)."""
+    def _request_of_greenlet(eng, chain, note, start=None):
+        """The request a long span outside every request profile belongs
+        to: the open request seen by observers only (no profile) of its
+        greenlet or of the nearest of its spawners (chain: their ids, from
+        the hooks), else the unsampled request noted for them (note:
+        (method, path, request id) or None).  A spawner's sampled request
+        is not it: a greenlet of that request would be in its profile (the
+        spawner may serve its next request by now), nor is a spawner's
+        request begun after the span (start, wall ns)."""
         requests = eng.requests
-        for gid in chain:
+        for i, gid in enumerate(chain):
             req = requests.get(gid)
-            if req is not None:
-                return req
+            if req is None:
+                continue
+            if req.profile is not None or (
+                    i and start is not None and start < req.start_ns):
+                break
+            return req
         return _UnsampledRequest(note) if note is not None else None
 
     def _blocking_event(self, eng, rec, owner):
@@ -841,18 +873,13 @@ def current_profile():
     is false) when the request is not sampled.  Never raises."""
     try:
         eng = _engine.current_engine()
-        if eng is None or not eng.requests:
+        if eng is None or not eng.profile_requests:
             return _NO_PROFILE
-        g = getcurrent()
-        gid = _registry.greenlet_id(eng.tracer.addr, g)
-        req = eng.requests.get(gid) if gid else None
-        if req is None:
-            # a greenlet the request spawned: the nearest spawner's
-            _, chain = _registry.request_note(eng.tracer.hooks_addr, g)
-            for gid in chain:
-                req = eng.requests.get(gid)
-                if req is not None:
-                    break
+        # The profile the greenlet is in (its request's, or inherited from
+        # the request that spawned it): not its spawner's current request,
+        # which on a keep-alive connection may be a later one.
+        addr = _registry.greenlet_profile(eng.tracer.addr, getcurrent())
+        req = eng.profile_requests.get(addr) if addr else None
         return ProfileHandle(req) if req is not None else _NO_PROFILE
     except Exception:
         return _NO_PROFILE
@@ -870,13 +897,37 @@ def flush_thread(timeout=None):
     # next request left lingering but still waits for its children.
     # Each by its own middleware (several may share the thread).
     for mw, req in list(eng.pending):
-        if deadline is not None and _monotonic() > deadline:
+        left = None if deadline is None else deadline - _monotonic()
+        if left is not None and left <= 0:
             break
         if req.profile is not None and req.greenlet is not None and \
                 not req.finalizing:
-            mw._finalize(eng, req)
+            if not _finalize_within(mw, eng, req, left):
+                break   # (out of time in a delivery: the rest is given up)
             n += 1
     return n
+
+
+def _finalize_within(mw, eng, req, seconds):
+    """mw._finalize(eng, req), its delivery interrupted by a gevent.Timeout
+    after seconds (None: no limit).  False when it was: the request is
+    released undelivered.  (A sink that blocks the thread without yielding
+    to gevent cannot be interrupted.)"""
+    import gevent
+    if seconds is None or getcurrent() is gevent.get_hub():
+        mw._finalize(eng, req)   # (the hub cannot wait for a Timeout)
+        return True
+    timer = gevent.Timeout(seconds)
+    timer.start()
+    try:
+        mw._finalize(eng, req)
+    except gevent.Timeout as e:
+        if e is not timer:
+            raise
+        return False
+    finally:
+        timer.close()
+    return True
 
 
 #: seconds the flush at interpreter exit may take at most
@@ -1116,10 +1167,32 @@ def _finish_pending_forever(eng):
         eng.finisher_wake.wait()
 
 
+def _reaper_main(eng):
+    """The reaper greenlet: _reaper_loop, gone on with after a
+    BaseException that is not an Exception, nor an exit (a sink's
+    gevent.Timeout: the request it came from is released by then).
+    Killed (GreenletExit), it is started again by the next request set up
+    in Python or the finisher's next wake."""
+    import gevent
+    try:
+        while not eng.abandoned:
+            try:
+                _reaper_loop(eng)
+            except (gevent.GreenletExit, SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException:
+                pass
+    finally:
+        eng.reaper_started = False
+
+
 def _reaper_loop(eng):
     """Closes, in the engine's thread, the profiles open longer than
     their middleware's max_lifetime (checked a few times per lifetime, at
-    least once a second)."""
+    least once a second).  Each request is truncated on its own: an error
+    is logged and the next goes on; a BaseException that is not an
+    Exception goes on once that request is released (the rest wait for
+    the next round)."""
     import gevent
     while not eng.abandoned:
         lifetimes = [mw._max_lifetime for mw in list(eng.middlewares)]
@@ -1142,6 +1215,8 @@ def _reaper_loop(eng):
                 mw._truncate(eng, req, now)
             except Exception as e:
                 mw._internal_error("max_lifetime", e)
+            # (any other BaseException: _truncate's _finalize released the
+            # request; _reaper_main starts the reaper again)
 
 
 class _UnsampledRequest:

@@ -80,7 +80,14 @@ class _Session:
     def share(self, eng):
         """From now on this session is recorded through eng's tracer (the
         thread's ProfilingMiddleware): every greenlet outside sampled
-        requests goes to this session's profile."""
+        requests goes to this session's profile.  The tracer has one
+        default profile: a second Profiler in the thread is refused, as
+        it is without a middleware."""
+        if getattr(eng, "session", None) is not None:
+            raise ProfilerStateError(
+                "cannot start profiling: another greqprof profiler is "
+                "already running in this thread")
+        eng.session = self
         eng.tracer.set_default(self.profile)
         eng.profile_opened()
         if self.calls:
@@ -95,6 +102,8 @@ class _Session:
         # The middleware goes on: its hooks stay, the thread's greenlets
         # outside requests go back to no profile.
         eng, self.engine = self.engine, None
+        if getattr(eng, "session", None) is self:
+            eng.session = None
         if not eng.abandoned:
             self.tracer.set_default(None)
             if calls:

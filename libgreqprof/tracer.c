@@ -1078,6 +1078,22 @@ GQP_API int gqp_tracer_current(const gqp_tracer *t, uint64_t *key,
     return GQP_OK;
 }
 
+GQP_API int gqp_tracer_greenlet_profile(const gqp_tracer *t, uint64_t key,
+                                        gqp_profile **profile)
+{
+    CHECK_TRACER(t);
+    if (key == 0 || !profile) {
+        return GQP_EINVAL;
+    }
+    gqp__greenlet *g = lookup(t, key);
+    if (!g) {
+        return GQP_ENOTFOUND;
+    }
+    /* (a closed attachment is dropped at the greenlet's next event) */
+    *profile = g->profile && !g->profile->closed ? g->profile : NULL;
+    return GQP_OK;
+}
+
 GQP_API int gqp_tracer_greenlet_id(const gqp_tracer *t, uint64_t key,
                                    uint64_t *id)
 {

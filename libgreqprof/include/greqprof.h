@@ -415,6 +415,11 @@ GQP_API int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
  * GQP_ENOTFOUND when no greenlet is running. */
 GQP_API int gqp_tracer_current(const gqp_tracer *t, uint64_t *key,
                                uint64_t *id, gqp_profile **profile);
+/* The open profile a live greenlet is attached to (NULL: none, its spans
+ * go to the default), borrowed; GQP_ENOTFOUND for a greenlet not tracked.
+ * Lets a caller detach a greenlet only from its own profile. */
+GQP_API int gqp_tracer_greenlet_profile(const gqp_tracer *t, uint64_t key,
+                                        gqp_profile **profile);
 /* Id of a live greenlet by key. */
 GQP_API int gqp_tracer_greenlet_id(const gqp_tracer *t, uint64_t key,
                                    uint64_t *id);

@@ -251,3 +251,36 @@ TEST(inherit_dead_parent_same_key_as_child)
     EV(gqp_tracer_switch(t, KG, KH, 0));
     gqp_tracer_free(t);
 }
+
+/* gqp_tracer_greenlet_profile: a greenlet's own attachment, running or
+ * not (never the default, nor a closed profile). */
+TEST(greenlet_profile_reads_the_attachment)
+{
+    fake_clock c;
+    gqp_profile *d = NULL, *got = NULL, *p = new_profile(), *q = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer_profile(&c, GQP_CPU_OFF, GQP_CLOCK_WALL, &d);
+    ASSERT_RC(gqp_tracer_greenlet_profile(NULL, KG, &got), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_greenlet_profile(t, 0, &got), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_greenlet_profile(t, KG, NULL), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_greenlet_profile(t, KG, &got), GQP_ENOTFOUND);
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    ASSERT_OK(gqp_tracer_greenlet_profile(t, KG, &got));
+    ASSERT_EQ_PTR(got, NULL);            /* the default is not its own */
+    ASSERT_OK(gqp_tracer_attach(t, KG, p));
+    EV(gqp_tracer_switch(t, KG, KH, 0)); /* not running: still read */
+    ASSERT_OK(gqp_tracer_attach(t, KH, q));
+    ASSERT_OK(gqp_tracer_greenlet_profile(t, KG, &got));
+    ASSERT_EQ_PTR(got, p);
+    ASSERT_OK(gqp_tracer_greenlet_profile(t, KH, &got));
+    ASSERT_EQ_PTR(got, q);
+    ASSERT_OK(gqp_profile_close(p));
+    ASSERT_OK(gqp_tracer_greenlet_profile(t, KG, &got));
+    ASSERT_EQ_PTR(got, NULL);            /* closed: attached to nothing */
+    EV(gqp_tracer_switch(t, KH, KG, GQP_SWITCH_FROM_DEAD));
+    ASSERT_RC(gqp_tracer_greenlet_profile(t, KH, &got), GQP_ENOTFOUND);
+    gqp_tracer_free(t);
+    gqp_profile_free(d);
+    gqp_profile_free(p);
+    gqp_profile_free(q);
+}
