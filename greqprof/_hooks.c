@@ -966,8 +966,127 @@ static int code_kind(PyCodeObject *co)
            (starts_with(co->co_filename, greenlet_dir) ? CODE_INSIDE : 0);
 }
 
-/* Cleaned (fn_name, filename) of co, new references, or -1. */
-static int code_names(PyCodeObject *co, PyObject **fn, PyObject **file)
+#if PY_VERSION_HEX < 0x030B0000
+/* 3.10 has no co_qualname: the qualified name of a code object is found
+ * once (the code cache keeps it) from its frame's globals: a function of
+ * that module whose code it is (its __qualname__), or, for a function
+ * defined inside another (or a class body), the name the compiler put
+ * right after the code object in the enclosing code's constants (3.10's
+ * MAKE_FUNCTION takes both from there).  Only C-level reads: no Python
+ * code runs and nothing is allocated.  Borrowed, or NULL (then co_name). */
+#define QN_BUDGET 20000   /* objects looked at, at most */
+
+static PyObject *qn_in_consts(PyCodeObject *co, PyCodeObject *in, int depth,
+                              int *budget)
+{
+    PyObject *consts = in->co_consts;
+    if (!consts || !PyTuple_Check(consts)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(consts);
+    for (Py_ssize_t i = 0; i < n && --*budget > 0; i++) {
+        PyObject *c = PyTuple_GET_ITEM(consts, i);
+        if (c == (PyObject *)co) {
+            PyObject *next = i + 1 < n ? PyTuple_GET_ITEM(consts, i + 1) : NULL;
+            if (next && PyUnicode_Check(next) &&
+                PyUnicode_Tailmatch(next, co->co_name, 0, PY_SSIZE_T_MAX,
+                                    1) == 1) {
+                return next;
+            }
+            return NULL;
+        }
+        if (PyCode_Check(c) && depth < 8) {
+            PyObject *r = qn_in_consts(co, (PyCodeObject *)c, depth + 1,
+                                       budget);
+            if (r) {
+                return r;
+            }
+        }
+    }
+    return NULL;
+}
+
+static PyObject *qn_in(PyCodeObject *co, PyObject *v, PyObject *globals,
+                       PyObject *modname, int depth, int *budget)
+{
+    if (--*budget <= 0) {
+        return NULL;
+    }
+    if (Py_IS_TYPE(v, &PyStaticMethod_Type) ||
+        Py_IS_TYPE(v, &PyClassMethod_Type)) {
+        /* (their __func__ is a C member) */
+        PyObject *fn = PyObject_GetAttrString(v, "__func__");
+        PyObject *r = fn ? qn_in(co, fn, globals, modname, depth, budget)
+                         : NULL;
+        PyErr_Clear();
+        Py_XDECREF(fn); /* (the wrapper holds it: r stays valid) */
+        return r;
+    }
+    if (PyFunction_Check(v)) {
+        PyFunctionObject *fn = (PyFunctionObject *)v;
+        if (fn->func_globals != globals) {
+            return NULL; /* (another module's) */
+        }
+        if (fn->func_code == (PyObject *)co) {
+            return PyUnicode_Check(fn->func_qualname) ? fn->func_qualname
+                                                      : NULL;
+        }
+        return PyCode_Check(fn->func_code)
+            ? qn_in_consts(co, (PyCodeObject *)fn->func_code, 0, budget)
+            : NULL;
+    }
+    if (PyType_Check(v) && depth < 4 && modname) {
+        /* (a class of this module: its methods, nested classes) */
+        PyObject *dict = ((PyTypeObject *)v)->tp_dict;
+        if (!dict || !PyDict_Check(dict)) {
+            return NULL;
+        }
+        PyObject *mod = PyDict_GetItemString(dict, "__module__");
+        if (!mod || !PyUnicode_CheckExact(mod) ||
+            PyUnicode_Compare(mod, modname) != 0) {
+            PyErr_Clear();
+            return NULL;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *k, *item;
+        while (PyDict_Next(dict, &pos, &k, &item)) {
+            PyObject *r = qn_in(co, item, globals, modname, depth + 1, budget);
+            if (r || *budget <= 0) {
+                return r;
+            }
+        }
+    }
+    return NULL;
+}
+/* The qualified name of co, borrowed, or NULL. */
+static PyObject *qualname_310(PyCodeObject *co, PyFrameObject *f)
+{
+    PyObject *globals = f ? f->f_globals : NULL;
+    if (!globals || !PyDict_Check(globals)) {
+        return NULL;
+    }
+    PyObject *modname = PyDict_GetItemString(globals, "__name__");
+    if (modname && !PyUnicode_CheckExact(modname)) {
+        modname = NULL;
+    }
+    PyErr_Clear();
+    int budget = QN_BUDGET;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (budget > 0 && PyDict_Next(globals, &pos, &k, &v)) {
+        PyObject *r = qn_in(co, v, globals, modname, 0, &budget);
+        if (r) {
+            return r;
+        }
+    }
+    return NULL;
+}
+#endif
+
+/* Cleaned (fn_name, filename) of co (running in frame f), new
+ * references, or -1. */
+static int code_names(PyCodeObject *co, PyFrameObject *f, PyObject **fn,
+                      PyObject **file)
 {
     code_slot *s = code_info(co);
     if (!s) {
@@ -982,9 +1101,14 @@ static int code_names(PyCodeObject *co, PyObject **fn, PyObject **file)
      * pass to another thread whose hook empties the cache (s may be
      * another code object's slot by then). */
 #if PY_VERSION_HEX >= 0x030B0000
+    (void)f;
     PyObject *name = clean_text(co->co_qualname);
 #else
-    PyObject *name = clean_text(co->co_name);
+    /* (held: it is borrowed from a function or constants that the Python
+     * code clean_text may run could drop) */
+    PyObject *qn = Py_XNewRef(qualname_310(co, f));
+    PyObject *name = clean_text(qn ? qn : co->co_name);
+    Py_XDECREF(qn);
 #endif
     PyObject *fname = name ? clean_text(co->co_filename) : NULL;
     if (!fname) {
@@ -1072,7 +1196,7 @@ static PyObject *frame_entry(PyFrameObject *f, PyCodeObject *co)
     }
     int line = s->line;
     PyObject *fn, *file;
-    if (code_names(co, &fn, &file) < 0) {
+    if (code_names(co, f, &fn, &file) < 0) {
         return NULL;
     }
     PyObject *e = PyUnicode_FromFormat("%U:%d in %U", file, line, fn);
@@ -1270,7 +1394,7 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co,
         Py_CLEAR(rec);
     }
     PyObject *fn, *file;
-    if (!rec && code_names(co, &fn, &file) == 0) {
+    if (!rec && code_names(co, f, &fn, &file) == 0) {
         /* (the slots are looked up again after code that may run Python
          * code: see line_info) */
         int line = line_info(f, co)->line;
