@@ -1501,7 +1501,7 @@ static void on_wait_at(gqp_py_thread *st, PyObject *origin)
 }
 
 /* read_waits(profile, take): the profile's wait sites, as a tuple
- *   (records, stats, dropped, events)
+ *   (records, stats, dropped, events, events_dropped)
  * records: per site, in table order, its registry record (code, fn_name,
  * filename, lineno, stack), or None when the registry dropped it; stats:
  * the gqp_wait_stat structs as bytes (_collect.WAIT_SITE_ROW); events: the
@@ -1563,9 +1563,10 @@ static PyObject *read_waits(gqp_profile *p, int take)
             memset(&ev[k], 0, sizeof ev[k]);
         }
     }
-    return Py_BuildValue("(NNKN)", recs, stats,
-                         (unsigned long long)gqp_profile_waits_dropped(p),
-                         events);
+    return Py_BuildValue(
+        "(NNKNK)", recs, stats,
+        (unsigned long long)gqp_profile_waits_dropped(p), events,
+        (unsigned long long)gqp_profile_wait_events_dropped(p));
 fail:
     Py_XDECREF(recs);
     Py_XDECREF(stats);

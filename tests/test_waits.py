@@ -658,3 +658,32 @@ def test_a_site_in_code_without_line_numbers_has_line_0(serve):
     assert w.stack[-1].endswith(":0 in " + w.fn_name)
     back = RequestProfile.from_dict(json.loads(p.to_json()))
     assert back.waits[0].lineno == 0
+
+
+def test_waits_past_the_event_cap_are_counted(serve):
+    """A request that waits 1100 times keeps its first 1024 waits one by
+    one and counts the rest in dropped_wait_events (which goes through
+    to_dict / from_dict, validated, and into the page's note); the site
+    still counts them all.  (Before: the C count never reached the
+    profile.)"""
+    def app(environ, start_response):
+        for _ in range(1100):
+            gevent.sleep(0)
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/many-waits").status == 200
+    p = s.profile_for("/many-waits")
+    assert len(p.wait_events) == 1024
+    assert p.dropped_wait_events == sum(w.count for w in p.waits) - 1024
+    assert p.dropped_wait_events >= 1100 - 1024
+    d = json.loads(p.to_json())
+    assert d["dropped_wait_events"] == p.dropped_wait_events
+    assert RequestProfile.from_dict(d).dropped_wait_events == \
+        p.dropped_wait_events
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="dropped_wait_events"):
+            RequestProfile.from_dict(dict(d, dropped_wait_events=bad))
+    page = render(p, "html")
+    assert '"dropped_wait_events": %d' % p.dropped_wait_events in page or \
+        '"dropped_wait_events":%d' % p.dropped_wait_events in page
