@@ -1298,11 +1298,11 @@ static PyObject *wait_owners;
 static Py_ssize_t wait_sites_sweep_at = GQP_PY_MAX_WAIT_SITES;
 static Py_ssize_t wait_owners_sweep_at = 256;
 
-/* Records of dropped profiles out of the registry: a profile closed and
- * held by nothing but its owner capsule will never be read out.  Records
- * of other profiles stay (open ones still gain sites, closed ones are yet
- * to be read): their number is bounded by the open and finishing profiles'
- * site tables. */
+/* Records of dropped profiles out of the registry: a profile held by
+ * nothing but its owner capsule will never be read out.  Records of other
+ * profiles stay (open ones still gain sites, closed ones are yet to be
+ * read): their number is bounded by the open and finishing profiles' site
+ * tables. */
 static void sweep_wait_sites(void)
 {
     PyObject *gone = PySet_New(NULL);
@@ -1310,12 +1310,15 @@ static void sweep_wait_sites(void)
     PyObject *k, *v;
     while (gone && PyDict_Next(wait_owners, &pos, &k, &v)) {
         gqp_profile *p = PyCapsule_GetPointer(v, "greqprof.wait_owner");
-        if (p && gqp_profile_is_closed(p) == 1 && gqp_profile_refs(p) == 1 &&
-            PySet_Add(gone, v) < 0) {
+        if (p && gqp_profile_refs(p) == 1 && PySet_Add(gone, v) < 0) {
             Py_CLEAR(gone);
         }
     }
     PyObject *keys = gone && PySet_GET_SIZE(gone) ? PyList_New(0) : NULL;
+    PyObject *owners = keys ? PyList_New(0) : NULL;
+    if (!owners) {
+        Py_CLEAR(keys);
+    }
     pos = 0;
     while (keys && PyDict_Next(reg_wait_sites, &pos, &k, &v)) {
         if (PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 2 &&
@@ -1326,21 +1329,24 @@ static void sweep_wait_sites(void)
     }
     pos = 0;
     while (keys && PyDict_Next(wait_owners, &pos, &k, &v)) {
-        if (PySet_Contains(gone, v) == 1 && PyList_Append(keys, k) < 0) {
+        if (PySet_Contains(gone, v) == 1 && PyList_Append(owners, k) < 0) {
             Py_CLEAR(keys);
         }
     }
+    /* (from lists: a deallocation may run Python code, and another
+     * thread's hook may change the dicts meanwhile) */
     for (Py_ssize_t i = 0; keys && i < PyList_GET_SIZE(keys); i++) {
-        /* (tags are in the registry, addresses in wait_owners) */
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        if (PyDict_DelItem(reg_wait_sites, key) < 0) {
+        if (PyDict_DelItem(reg_wait_sites, PyList_GET_ITEM(keys, i)) < 0) {
             PyErr_Clear();
-            if (PyDict_DelItem(wait_owners, key) < 0) {
-                PyErr_Clear();
-            }
+        }
+    }
+    for (Py_ssize_t i = 0; keys && i < PyList_GET_SIZE(owners); i++) {
+        if (PyDict_DelItem(wait_owners, PyList_GET_ITEM(owners, i)) < 0) {
+            PyErr_Clear();
         }
     }
     Py_XDECREF(keys);
+    Py_XDECREF(owners);
     Py_XDECREF(gone);
     PyErr_Clear();
     Py_ssize_t n = PyDict_GET_SIZE(reg_wait_sites);
