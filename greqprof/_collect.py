@@ -213,7 +213,7 @@ def request_records(raw):
         "cpu": sum(cpus) if cpus else None,
         "waiting": Waiting(seconds=wait_ns * NS, top=tuple(waited),
                            complete=complete),
-        **wait_sites(raw[13] if len(raw) > 13 else ((), b"", 0, b""),
+        **wait_sites(raw[13] if len(raw) > 13 else ((), b"", 0, b"", 0),
                      origin),
     }
 
@@ -225,9 +225,9 @@ WAIT_SITE_ROW = struct.Struct("=QqQQII")
 
 
 def wait_sites(raw, origin):
-    """The "waits", "dropped_waits" and "wait_events" fields from
-    read_waits (_hooks.c)."""
-    records, stats, dropped, events = raw
+    """The "waits", "dropped_waits", "wait_events" and
+    "dropped_wait_events" fields from read_waits (_hooks.c)."""
+    records, stats, dropped, events, events_dropped = raw
     sites = []
     for rec, (_key, ns, count, greenlets, _tag, _r) in zip(
             records, WAIT_SITE_ROW.iter_unpack(stats)):
@@ -244,4 +244,5 @@ def wait_sites(raw, origin):
             WaitEvent(gid, origin.to_epoch(a), origin.to_epoch(b), rank[i])
             for gid, a, b, i, _ in WAIT_EVENT_ROW.iter_unpack(events)
             if i in rank],
+        "dropped_wait_events": events_dropped,
     }

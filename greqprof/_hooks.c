@@ -889,6 +889,29 @@ static size_t slot_of(const void *code, int lasti, size_t mask)
     return (size_t)((a * 0x9E3779B97F4A7C15ull) >> 40) & mask;
 }
 
+/* Empties a cache: its slots are moved out at once, and only then their
+ * objects dropped (a deallocation may run Python code, which may let
+ * another thread use the cache: it finds it empty, never half emptied).
+ * (If the copy cannot be allocated: slot by slot, each emptied before its
+ * objects go.) */
+static void empty_code_cache(void)
+{
+    code_slot *old = PyMem_RawMalloc(sizeof code_cache);
+    size_t n = old ? GQP_PY_CODE_SLOTS : 1;
+    code_cache_len = 0;
+    for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k += n) {
+        code_slot one, *o = old ? old : &one;
+        memcpy(o, &code_cache[k], n * sizeof *o);
+        memset(&code_cache[k], 0, n * sizeof *o);
+        for (size_t j = 0; j < n; j++) {
+            Py_XDECREF(o[j].code);
+            Py_XDECREF(o[j].fn_name);
+            Py_XDECREF(o[j].filename);
+        }
+    }
+    PyMem_RawFree(old);
+}
+
 /* The cache entry of code object co (NULL when it cannot be made yet:
  * gevent's directory is not known before gevent is imported). */
 static code_slot *code_info(PyCodeObject *co)
@@ -914,17 +937,8 @@ static code_slot *code_info(PyCodeObject *co)
         }
     }
     if (code_cache_len >= GQP_PY_CODE_SLOTS / 2) {
-        /* Start over (code made at run time would grow it forever).  Each
-         * slot is emptied before its objects go (a deallocation may run
-         * Python code). */
-        code_cache_len = 0;
-        for (size_t k = 0; k < GQP_PY_CODE_SLOTS; k++) {
-            code_slot old = code_cache[k];
-            memset(&code_cache[k], 0, sizeof code_cache[k]);
-            Py_XDECREF(old.code);
-            Py_XDECREF(old.fn_name);
-            Py_XDECREF(old.filename);
-        }
+        /* Start over (code made at run time would grow it forever). */
+        empty_code_cache();
         for (i = slot_of(co, 0, mask); code_cache[i].code; i = (i + 1) & mask) {
         }
     }
@@ -952,27 +966,162 @@ static int code_kind(PyCodeObject *co)
            (starts_with(co->co_filename, greenlet_dir) ? CODE_INSIDE : 0);
 }
 
-/* Borrowed cleaned (fn_name, filename) of co, or -1. */
-static int code_names(PyCodeObject *co, PyObject **fn, PyObject **file)
+#if PY_VERSION_HEX < 0x030B0000
+/* 3.10 has no co_qualname: the qualified name of a code object is found
+ * once (the code cache keeps it) from its frame's globals: a function of
+ * that module whose code it is (its __qualname__), or, for a function
+ * defined inside another (or a class body), the name the compiler put
+ * right after the code object in the enclosing code's constants (3.10's
+ * MAKE_FUNCTION takes both from there).  Only C-level reads: no Python
+ * code runs and nothing is allocated.  Borrowed, or NULL (then co_name). */
+#define QN_BUDGET 20000   /* objects looked at, at most */
+
+static PyObject *qn_in_consts(PyCodeObject *co, PyCodeObject *in, int depth,
+                              int *budget)
+{
+    PyObject *consts = in->co_consts;
+    if (!consts || !PyTuple_Check(consts)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(consts);
+    for (Py_ssize_t i = 0; i < n && --*budget > 0; i++) {
+        PyObject *c = PyTuple_GET_ITEM(consts, i);
+        if (c == (PyObject *)co) {
+            PyObject *next = i + 1 < n ? PyTuple_GET_ITEM(consts, i + 1) : NULL;
+            if (next && PyUnicode_Check(next) &&
+                PyUnicode_Tailmatch(next, co->co_name, 0, PY_SSIZE_T_MAX,
+                                    1) == 1) {
+                return next;
+            }
+            return NULL;
+        }
+        if (PyCode_Check(c) && depth < 8) {
+            PyObject *r = qn_in_consts(co, (PyCodeObject *)c, depth + 1,
+                                       budget);
+            if (r) {
+                return r;
+            }
+        }
+    }
+    return NULL;
+}
+
+static PyObject *qn_in(PyCodeObject *co, PyObject *v, PyObject *globals,
+                       PyObject *modname, int depth, int *budget)
+{
+    if (--*budget <= 0) {
+        return NULL;
+    }
+    if (Py_IS_TYPE(v, &PyStaticMethod_Type) ||
+        Py_IS_TYPE(v, &PyClassMethod_Type)) {
+        /* (their __func__ is a C member) */
+        PyObject *fn = PyObject_GetAttrString(v, "__func__");
+        PyObject *r = fn ? qn_in(co, fn, globals, modname, depth, budget)
+                         : NULL;
+        PyErr_Clear();
+        Py_XDECREF(fn); /* (the wrapper holds it: r stays valid) */
+        return r;
+    }
+    if (PyFunction_Check(v)) {
+        PyFunctionObject *fn = (PyFunctionObject *)v;
+        if (fn->func_globals != globals) {
+            return NULL; /* (another module's) */
+        }
+        if (fn->func_code == (PyObject *)co) {
+            return PyUnicode_Check(fn->func_qualname) ? fn->func_qualname
+                                                      : NULL;
+        }
+        return PyCode_Check(fn->func_code)
+            ? qn_in_consts(co, (PyCodeObject *)fn->func_code, 0, budget)
+            : NULL;
+    }
+    if (PyType_Check(v) && depth < 4 && modname) {
+        /* (a class of this module: its methods, nested classes) */
+        PyObject *dict = ((PyTypeObject *)v)->tp_dict;
+        if (!dict || !PyDict_Check(dict)) {
+            return NULL;
+        }
+        PyObject *mod = PyDict_GetItemString(dict, "__module__");
+        if (!mod || !PyUnicode_CheckExact(mod) ||
+            PyUnicode_Compare(mod, modname) != 0) {
+            PyErr_Clear();
+            return NULL;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *k, *item;
+        while (PyDict_Next(dict, &pos, &k, &item)) {
+            PyObject *r = qn_in(co, item, globals, modname, depth + 1, budget);
+            if (r || *budget <= 0) {
+                return r;
+            }
+        }
+    }
+    return NULL;
+}
+/* The qualified name of co, borrowed, or NULL. */
+static PyObject *qualname_310(PyCodeObject *co, PyFrameObject *f)
+{
+    PyObject *globals = f ? f->f_globals : NULL;
+    if (!globals || !PyDict_Check(globals)) {
+        return NULL;
+    }
+    PyObject *modname = PyDict_GetItemString(globals, "__name__");
+    if (modname && !PyUnicode_CheckExact(modname)) {
+        modname = NULL;
+    }
+    PyErr_Clear();
+    int budget = QN_BUDGET;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (budget > 0 && PyDict_Next(globals, &pos, &k, &v)) {
+        PyObject *r = qn_in(co, v, globals, modname, 0, &budget);
+        if (r) {
+            return r;
+        }
+    }
+    return NULL;
+}
+#endif
+
+/* Cleaned (fn_name, filename) of co (running in frame f), new
+ * references, or -1. */
+static int code_names(PyCodeObject *co, PyFrameObject *f, PyObject **fn,
+                      PyObject **file)
 {
     code_slot *s = code_info(co);
     if (!s) {
         return -1;
     }
-    if (!s->fn_name) {
-#if PY_VERSION_HEX >= 0x030B0000
-        s->fn_name = clean_text(co->co_qualname);
-#else
-        s->fn_name = clean_text(co->co_name);
-#endif
-        s->filename = s->fn_name ? clean_text(co->co_filename) : NULL;
-        if (!s->filename) {
-            Py_CLEAR(s->fn_name);
-            return -1;
-        }
+    if (s->fn_name) {
+        *fn = Py_NewRef(s->fn_name);
+        *file = Py_NewRef(s->filename);
+        return 0;
     }
-    *fn = s->fn_name;
-    *file = s->filename;
+    /* Made in locals: clean_text may run Python code, and the GIL may then
+     * pass to another thread whose hook empties the cache (s may be
+     * another code object's slot by then). */
+#if PY_VERSION_HEX >= 0x030B0000
+    (void)f;
+    PyObject *name = clean_text(co->co_qualname);
+#else
+    /* (held: it is borrowed from a function or constants that the Python
+     * code clean_text may run could drop) */
+    PyObject *qn = Py_XNewRef(qualname_310(co, f));
+    PyObject *name = clean_text(qn ? qn : co->co_name);
+    Py_XDECREF(qn);
+#endif
+    PyObject *fname = name ? clean_text(co->co_filename) : NULL;
+    if (!fname) {
+        Py_XDECREF(name);
+        return -1;
+    }
+    s = code_info(co);
+    if (s && !s->fn_name) {
+        s->fn_name = Py_NewRef(name);
+        s->filename = Py_NewRef(fname);
+    }
+    *fn = name;
+    *file = fname;
     return 0;
 }
 
@@ -985,7 +1134,29 @@ static int frame_lasti(PyFrameObject *f)
 #endif
 }
 
-/* The line cache entry of frame f (of code co), or NULL. */
+/* (as empty_code_cache) */
+static void empty_line_cache(void)
+{
+    line_slot *old = PyMem_RawMalloc(sizeof line_cache);
+    size_t n = old ? GQP_PY_LINE_SLOTS : 1;
+    line_cache_len = 0;
+    for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k += n) {
+        line_slot one, *o = old ? old : &one;
+        memcpy(o, &line_cache[k], n * sizeof *o);
+        memset(&line_cache[k], 0, n * sizeof *o);
+        for (size_t j = 0; j < n; j++) {
+            Py_XDECREF(o[j].code);
+            Py_XDECREF(o[j].entry);
+            Py_XDECREF(o[j].record);
+        }
+    }
+    PyMem_RawFree(old);
+}
+
+/* The line cache entry of frame f (of code co).  Like code_info's, the
+ * pointer is good only until something that may run Python code: then
+ * the GIL may pass to another thread whose hook empties or reuses the
+ * slot (look it up again). */
 static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
 {
     size_t mask = GQP_PY_LINE_SLOTS - 1;
@@ -998,14 +1169,7 @@ static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
         }
     }
     if (line_cache_len >= GQP_PY_LINE_SLOTS / 2) {
-        line_cache_len = 0;
-        for (size_t k = 0; k < GQP_PY_LINE_SLOTS; k++) {
-            line_slot old = line_cache[k];
-            memset(&line_cache[k], 0, sizeof line_cache[k]);
-            Py_XDECREF(old.code);
-            Py_XDECREF(old.entry);
-            Py_XDECREF(old.record);
-        }
+        empty_line_cache();
         for (i = slot_of(co, lasti, mask); line_cache[i].code;
              i = (i + 1) & mask) {
         }
@@ -1013,25 +1177,44 @@ static line_slot *line_info(PyFrameObject *f, PyCodeObject *co)
     line_slot *s = &line_cache[i];
     s->code = Py_NewRef((PyObject *)co);
     s->lasti = lasti;
-    s->line = PyFrame_GetLineNumber(f);
+    /* (code without a line table, e.g. made at run time, says -1: such a
+     * site's line is 0, as RequestProfile documents) */
+    int line = PyFrame_GetLineNumber(f);
+    s->line = line < 0 ? 0 : line;
     s->entry = NULL;
     s->record = NULL;
     line_cache_len++;
     return s;
 }
 
-/* Borrowed "file:line in function" of a frame, or NULL. */
+/* "file:line in function" of a frame (a new reference), or NULL. */
 static PyObject *frame_entry(PyFrameObject *f, PyCodeObject *co)
 {
     line_slot *s = line_info(f, co);
-    if (!s->entry) {
-        PyObject *fn, *file;
-        if (code_names(co, &fn, &file) < 0) {
-            return NULL;
-        }
-        s->entry = PyUnicode_FromFormat("%U:%d in %U", file, s->line, fn);
+    if (s->entry) {
+        return Py_NewRef(s->entry);
     }
-    return s->entry;
+    int line = s->line;
+    PyObject *fn, *file;
+    if (code_names(co, f, &fn, &file) < 0) {
+        return NULL;
+    }
+    PyObject *e = PyUnicode_FromFormat("%U:%d in %U", file, line, fn);
+    Py_DECREF(fn);
+    Py_DECREF(file);
+    if (!e) {
+        return NULL;
+    }
+    /* (looked up again: code_names may have run Python code) */
+    s = line_info(f, co);
+    if (s->entry) {
+        /* (another thread's: the cache's object, so same_stack's identity
+         * check holds) */
+        Py_SETREF(e, Py_NewRef(s->entry));
+    } else {
+        s->entry = Py_NewRef(e);
+    }
+    return e;
 }
 
 /* ("file:line in function", ...) from frame f outwards, outermost first,
@@ -1049,7 +1232,7 @@ static PyObject *site_stack(PyFrameObject *f)
                 Py_DECREF(co);
                 break;
             }
-            lines[n++] = Py_NewRef(e); /* (the cache may be emptied) */
+            lines[n++] = e;
         }
         Py_DECREF(co);
         PyFrameObject *back = PyFrame_GetBack(f);
@@ -1079,7 +1262,9 @@ static int same_stack(PyFrameObject *f, PyObject *stack)
     while (f && same && k > 0) {
         PyCodeObject *co = PyFrame_GetCode(f);
         if (!(code_kind(co) & CODE_OWN)) {
-            same = frame_entry(f, co) == PyTuple_GET_ITEM(stack, --k);
+            PyObject *e = frame_entry(f, co);
+            same = e == PyTuple_GET_ITEM(stack, --k);
+            Py_XDECREF(e);
         }
         Py_DECREF(co);
         PyFrameObject *back = PyFrame_GetBack(f);
@@ -1100,21 +1285,114 @@ static int same_stack(PyFrameObject *f, PyObject *stack)
     return same && k == 0;
 }
 
-/* Records a new site (site frame f, borrowed) in the registry; its tag.
- * The record made last time at this instruction is used again when the
- * stack above is the same (a request's sites are mostly the previous
- * request's). */
-static uint32_t store_site(PyFrameObject *f, PyCodeObject *co)
+/* Drops a profile's reference (an owner capsule's destructor). */
+static void owner_free(PyObject *cap)
 {
-    if (PyDict_GET_SIZE(reg_wait_sites) >= GQP_PY_MAX_WAIT_SITES) {
-        /* Drop the oldest (a profile never read out leaves its records). */
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        if (PyDict_Next(reg_wait_sites, &pos, &k, &v)) {
-            Py_INCREF(k);
-            PyDict_DelItem(reg_wait_sites, k);
-            Py_DECREF(k);
+    gqp_profile_free(PyCapsule_GetPointer(cap, "greqprof.wait_owner"));
+}
+
+/* profile address -> owner capsule: one per profile with records in the
+ * registry; the capsule holds a reference to the profile (its address is
+ * not reused while its records are there). */
+static PyObject *wait_owners;
+static Py_ssize_t wait_sites_sweep_at = GQP_PY_MAX_WAIT_SITES;
+static Py_ssize_t wait_owners_sweep_at = 256;
+
+/* Records of dropped profiles out of the registry: a profile held by
+ * nothing but its owner capsule will never be read out.  Records of other
+ * profiles stay (open ones still gain sites, closed ones are yet to be
+ * read): their number is bounded by the open and finishing profiles' site
+ * tables. */
+static void sweep_wait_sites(void)
+{
+    PyObject *gone = PySet_New(NULL);
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (gone && PyDict_Next(wait_owners, &pos, &k, &v)) {
+        gqp_profile *p = PyCapsule_GetPointer(v, "greqprof.wait_owner");
+        if (p && gqp_profile_refs(p) == 1 && PySet_Add(gone, v) < 0) {
+            Py_CLEAR(gone);
         }
+    }
+    PyObject *keys = gone && PySet_GET_SIZE(gone) ? PyList_New(0) : NULL;
+    PyObject *owners = keys ? PyList_New(0) : NULL;
+    if (!owners) {
+        Py_CLEAR(keys);
+    }
+    pos = 0;
+    while (keys && PyDict_Next(reg_wait_sites, &pos, &k, &v)) {
+        if (PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 2 &&
+            PySet_Contains(gone, PyTuple_GET_ITEM(v, 1)) == 1 &&
+            PyList_Append(keys, k) < 0) {
+            Py_CLEAR(keys);
+        }
+    }
+    pos = 0;
+    while (keys && PyDict_Next(wait_owners, &pos, &k, &v)) {
+        if (PySet_Contains(gone, v) == 1 && PyList_Append(owners, k) < 0) {
+            Py_CLEAR(keys);
+        }
+    }
+    /* (from lists: a deallocation may run Python code, and another
+     * thread's hook may change the dicts meanwhile) */
+    for (Py_ssize_t i = 0; keys && i < PyList_GET_SIZE(keys); i++) {
+        if (PyDict_DelItem(reg_wait_sites, PyList_GET_ITEM(keys, i)) < 0) {
+            PyErr_Clear();
+        }
+    }
+    for (Py_ssize_t i = 0; keys && i < PyList_GET_SIZE(owners); i++) {
+        if (PyDict_DelItem(wait_owners, PyList_GET_ITEM(owners, i)) < 0) {
+            PyErr_Clear();
+        }
+    }
+    Py_XDECREF(keys);
+    Py_XDECREF(owners);
+    Py_XDECREF(gone);
+    PyErr_Clear();
+    Py_ssize_t n = PyDict_GET_SIZE(reg_wait_sites);
+    Py_ssize_t no = PyDict_GET_SIZE(wait_owners);
+    wait_sites_sweep_at = n + GQP_PY_MAX_WAIT_SITES / 2;
+    if (wait_sites_sweep_at < GQP_PY_MAX_WAIT_SITES) {
+        wait_sites_sweep_at = GQP_PY_MAX_WAIT_SITES;
+    }
+    wait_owners_sweep_at = no < 128 ? 256 : 2 * no;
+}
+
+/* The owner capsule of p (new reference), or NULL. */
+static PyObject *wait_owner(gqp_profile *p)
+{
+    if (!wait_owners && !(wait_owners = PyDict_New())) {
+        return NULL;
+    }
+    PyObject *key = PyLong_FromVoidPtr(p);
+    if (!key) {
+        return NULL;
+    }
+    PyObject *cap = PyDict_GetItemWithError(wait_owners, key);
+    if (cap) {
+        Py_INCREF(cap);
+    } else if (!PyErr_Occurred() && gqp_profile_retain(p) == GQP_OK) {
+        cap = PyCapsule_New(p, "greqprof.wait_owner", owner_free);
+        if (!cap) {
+            gqp_profile_free(p);
+        } else if (PyDict_SetItem(wait_owners, key, cap) < 0) {
+            Py_CLEAR(cap);
+        }
+    }
+    Py_DECREF(key);
+    return cap;
+}
+
+/* Records a new site of profile p (site frame f, borrowed) in the
+ * registry as (record, owner); its tag.  The record made last time at
+ * this instruction is used again when the stack above is the same (a
+ * request's sites are mostly the previous request's). */
+static uint32_t store_site(PyFrameObject *f, PyCodeObject *co,
+                           gqp_profile *p)
+{
+    if (PyDict_GET_SIZE(reg_wait_sites) >= wait_sites_sweep_at ||
+        (wait_owners && PyDict_GET_SIZE(wait_owners) >= wait_owners_sweep_at)) {
+        sweep_wait_sites();
     }
     line_slot *ls = line_info(f, co);
     PyObject *rec = ls->record ? Py_NewRef(ls->record) : NULL;
@@ -1122,12 +1400,10 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co)
         Py_CLEAR(rec);
     }
     PyObject *fn, *file;
-    if (!rec && code_names(co, &fn, &file) == 0) {
-        /* (same_stack and site_stack may empty the caches that hold fn,
-         * file and ls) */
+    if (!rec && code_names(co, f, &fn, &file) == 0) {
+        /* (the slots are looked up again after code that may run Python
+         * code: see line_info) */
         int line = line_info(f, co)->line;
-        Py_INCREF(fn);
-        Py_INCREF(file);
         PyObject *stack = site_stack((PyFrameObject *)Py_NewRef(f));
         rec = stack ? Py_BuildValue("(OOOiN)", (PyObject *)co, fn, file, line,
                                     stack)
@@ -1140,14 +1416,18 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co)
         }
     }
     uint32_t tag = 0;
-    PyObject *key = rec ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
-    if (key && PyDict_SetItem(reg_wait_sites, key, rec) == 0) {
+    PyObject *owner = rec ? wait_owner(p) : NULL;
+    PyObject *val = owner ? PyTuple_Pack(2, rec, owner) : NULL;
+    PyObject *key = val ? PyLong_FromUnsignedLong(next_site_tag) : NULL;
+    if (key && PyDict_SetItem(reg_wait_sites, key, val) == 0) {
         tag = next_site_tag++;
         if (next_site_tag == 0) {
             next_site_tag = 1;
         }
     }
     Py_XDECREF(key);
+    Py_XDECREF(val);
+    Py_XDECREF(owner);
     Py_XDECREF(rec);
     PyErr_Clear();
     return tag;
@@ -1156,9 +1436,11 @@ static uint32_t store_site(PyFrameObject *f, PyCodeObject *co)
 /* 1 while on_wait runs: an allocation in it may run the garbage
  * collector, whose finalizers may switch greenlets (a greenlet collected
  * unfinished is killed by switching into it) and so call the hook again.
- * Such a nested wait gets no site (it is not charged), and the caches are
- * never changed under a caller that holds a slot. */
-static int in_on_wait;
+ * Such a nested wait gets no site (it is not charged).  Per thread: while
+ * Python code runs in one thread's hook (clean_text, a collection), the GIL
+ * may pass to another thread, whose hook uses the same caches (their
+ * slots are looked up again after such code: see line_info). */
+static _Thread_local int in_on_wait;
 static void on_wait_at(gqp_py_thread *st, PyObject *origin);
 
 /* origin switched out alive while attached to a profile: say where. */
@@ -1208,11 +1490,15 @@ static void on_wait_at(gqp_py_thread *st, PyObject *origin)
     size_t idx = 0;
     int ev = gqp_tracer_wait_at(st->tracer, (uint64_t)(uintptr_t)origin,
                                 site ? site : 1, &p, &idx);
-    if (ev > 0 && (ev & GQP_EV_NEW_SITE) && p) {
-        uint32_t tag = store_site(f, co);
+    /* (p held: store_site runs Python code, and the GIL may pass to a
+     * thread that drops it) */
+    if (ev > 0 && (ev & GQP_EV_NEW_SITE) && p &&
+        gqp_profile_retain(p) == GQP_OK) {
+        uint32_t tag = store_site(f, co, p);
         if (tag) {
             gqp_profile_wait_set_tag(p, idx, tag);
         }
+        gqp_profile_free(p);
     }
     Py_DECREF(co);
     Py_DECREF(f);
@@ -1221,7 +1507,7 @@ static void on_wait_at(gqp_py_thread *st, PyObject *origin)
 }
 
 /* read_waits(profile, take): the profile's wait sites, as a tuple
- *   (records, stats, dropped, events)
+ *   (records, stats, dropped, events, events_dropped)
  * records: per site, in table order, its registry record (code, fn_name,
  * filename, lineno, stack), or None when the registry dropped it; stats:
  * the gqp_wait_stat structs as bytes (_collect.WAIT_SITE_ROW); events: the
@@ -1258,8 +1544,9 @@ static PyObject *read_waits(gqp_profile *p, int take)
             if (!key) {
                 goto fail;
             }
-            rec = PyDict_GetItemWithError(reg_wait_sites, key);
-            Py_XINCREF(rec);
+            PyObject *v = PyDict_GetItemWithError(reg_wait_sites, key);
+            rec = v && PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 2
+                ? Py_NewRef(PyTuple_GET_ITEM(v, 0)) : NULL;
             if (rec && take && PyDict_DelItem(reg_wait_sites, key) < 0) {
                 PyErr_Clear();
             }
@@ -1268,15 +1555,24 @@ static PyObject *read_waits(gqp_profile *p, int take)
         }
         PyTuple_SET_ITEM(recs, (Py_ssize_t)i, rec ? rec : Py_NewRef(Py_None));
     }
+    if (take && wait_owners) {
+        /* (its records are out: its owner goes too) */
+        PyObject *key = PyLong_FromVoidPtr(p);
+        if (!key || PyDict_DelItem(wait_owners, key) < 0) {
+            PyErr_Clear();
+        }
+        Py_XDECREF(key);
+    }
     gqp_wait_event *ev = (gqp_wait_event *)(void *)PyBytes_AS_STRING(events);
     for (size_t k = 0; k < ne; k++) {
         if (gqp_profile_wait_event(p, k, &ev[k]) != GQP_OK) {
             memset(&ev[k], 0, sizeof ev[k]);
         }
     }
-    return Py_BuildValue("(NNKN)", recs, stats,
-                         (unsigned long long)gqp_profile_waits_dropped(p),
-                         events);
+    return Py_BuildValue(
+        "(NNKNK)", recs, stats,
+        (unsigned long long)gqp_profile_waits_dropped(p), events,
+        (unsigned long long)gqp_profile_wait_events_dropped(p));
 fail:
     Py_XDECREF(recs);
     Py_XDECREF(stats);

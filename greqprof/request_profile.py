@@ -287,6 +287,9 @@ class RequestProfile:
     dropped_waits: int = 0
     #: the first waits one by one (1024 at most), in the order they ended
     wait_events: List[WaitEvent] = field(default_factory=list)
+    #: waits not kept one by one: wait_events was full (the sites still
+    #: count them)
+    dropped_wait_events: int = 0
     #: what the app attached with ``greqprof.current_profile().note()``
     notes: List[str] = field(default_factory=list)
     #: True when the profile was closed by ``max_lifetime`` before the
@@ -301,7 +304,8 @@ class RequestProfile:
 
     #: fields a deferred profile builds on first access
     DEFERRED = ("cpu", "spans", "longest_span", "waiting", "greenlets",
-                "waits", "dropped_waits", "wait_events")
+                "waits", "dropped_waits", "wait_events",
+                "dropped_wait_events")
 
     def __getattr__(self, name):
         # Only reached for an attribute the instance does not have yet.
@@ -366,6 +370,7 @@ class RequestProfile:
             "waits": [w.to_dict() for w in self.waits],
             "dropped_waits": self.dropped_waits,
             "wait_events": [asdict(e) for e in self.wait_events],
+            "dropped_wait_events": self.dropped_wait_events,
             "calls": ([_func(f) for f in self.calls]
                       if self.calls is not None else None),
         }
@@ -461,6 +466,8 @@ class RequestProfile:
             wait_events=[r.wait_event(x, "wait_events[%d]" % i) for i, x in
                          enumerate(r.list(d, "wait_events", "wait_events",
                                           default=[]))],
+            dropped_wait_events=r.count(d, "dropped_wait_events",
+                                        "dropped_wait_events", default=0),
             notes=[r.text({"n": x}, "n", "notes[%d]" % i) for i, x in
                    enumerate(r.list(d, "notes", "notes", default=[]))],
             truncated=r.bool(d, "truncated", "truncated", default=False))

@@ -203,6 +203,11 @@ GQP_API size_t gqp_profile_attached(const gqp_profile *p)
     return gqp__profile_live(p) ? atomic_load(&p->attached) : 0;
 }
 
+GQP_API size_t gqp_profile_refs(const gqp_profile *p)
+{
+    return gqp__profile_live(p) ? atomic_load(&p->refs) : 0;
+}
+
 GQP_API int gqp_profile_clear(gqp_profile *p)
 {
     if (!gqp__profile_live(p)) {

@@ -1042,7 +1042,7 @@ STABLE_KEYS = {
     "notes", "truncated",
     "dropped_spans", "dropped_calls", "spans", "longest_span", "waiting",
     "greenlets", "blocking", "calls", "waits", "dropped_waits",
-    "wait_events"}
+    "wait_events", "dropped_wait_events"}
 SPAN_KEYS = {"greenlet_id", "greenlet_name", "fn_name", "start", "end",
              "wall", "cpu", "finished", "stack", "long"}
 BLOCKING_KEYS = {"schema", "greenlet_id", "greenlet_name", "fn_name",

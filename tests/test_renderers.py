@@ -734,3 +734,53 @@ def test_profile_writer_names_and_contents(tmp_path):
     ("/caf\u00e9/\x00", "caf"), ("/.hidden", "hidden")])
 def test_sanitize_path(path, expected):
     assert sanitize_path(path) == expected
+
+
+def _superscript_wait_profile():
+    """A profile from_dict accepts whose wait stack entry ends in a
+    non-ASCII digit ('x:\u00b2 in y': a function name with ':' in it)."""
+    from greqprof.request_profile import SCHEMA
+    return RequestProfile.from_dict({
+        "schema": SCHEMA, "method": "GET", "path": "/", "start": 1.7e9,
+        "end": 1.7e9 + 0.1, "wall": 0.1,
+        "waits": [{"fn_name": "y", "filename": "app.py", "lineno": 3,
+                   "stack": ["app.py:3 in x:\u00b2 in y",
+                             "app.py:\u0663 in z"],
+                   "seconds": 0.05, "count": 1, "greenlets": 1}]})
+
+
+def test_offcpu_takes_only_ascii_digits_as_a_line():
+    """(Before: '\u00b2'.isdigit() is true and int() raised ValueError.)"""
+    from greqprof.renderers.offcpu import parse_stack_entry
+    assert parse_stack_entry("app.py:3 in x:\u00b2 in y") == (
+        "y", "app.py:3 in x:\u00b2", 0)
+    assert parse_stack_entry("app.py:\u0663 in z") == ("z", "app.py:\u0663", 0)
+    assert parse_stack_entry("a:b.py:12 in f") == ("f", "a:b.py", 12)
+    doc = json.loads(render(_superscript_wait_profile(), "offcpu"))
+    assert doc["profiles"][0]["weights"] == [50000.0]
+
+
+def test_profile_writer_writes_the_formats_that_render(tmp_path,
+                                                        monkeypatch):
+    """One format whose renderer fails: the others are still written (each
+    atomically: no temporary file is left), then the failure is raised
+    naming the format.  (Before: every format was rendered before any was
+    written, so one failing renderer lost all the files.)"""
+    from greqprof.renderers.files import FormatError
+    from greqprof.renderers.text import TextRenderer
+
+    def broken(self, profile):
+        raise ValueError("boom")
+    monkeypatch.setattr(TextRenderer, "render", broken)
+    w = ProfileWriter(str(tmp_path), ["json", "text", "offcpu"], calls=False)
+    p = synthetic_profile(path="/w")
+    with pytest.raises(FormatError, match=r"format text not written "
+                       r"\(ValueError: boom\)") as info:
+        w.write(p)
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and sorted(info.value.paths) == sorted(
+        str(tmp_path / n) for n in names)
+    assert any(n.endswith(".offcpu.speedscope.json") for n in names)
+    js = [n for n in names if n.endswith("-1.json")]
+    assert RequestProfile.load(str(tmp_path / js[0])).to_dict() == p.to_dict()
+    assert [n for n, _ in info.value.errors] == ["text"]

@@ -382,8 +382,7 @@ def test_site_names_are_clean_text(serve):
     def template():
         gevent.sleep(0.01)
     name = "evil\n\u202ename"
-    code = template.__code__.replace(co_name=name, co_qualname=name)
-    evil = __import__("types").FunctionType(code, globals(), name)
+    evil = _fresh_function(name, template.__code__.co_filename, template)
 
     def app(environ, start_response):
         evil()
@@ -397,6 +396,43 @@ def test_site_names_are_clean_text(serve):
     assert all(x.isprintable() for x in w.stack)
     assert "\\x0a\\u202e" in p.report()
 
+
+
+class Orders:
+    def wait_here(self):
+        gevent.sleep(0.01)
+
+    @staticmethod
+    def wait_static():
+        def inner():
+            gevent.sleep(0.01)
+        inner()
+
+
+class Users:
+    def wait_here(self):
+        gevent.sleep(0.01)
+
+
+def test_sites_are_named_by_qualified_name_on_every_version(serve):
+    """Two methods of the same name in two classes are two sites, named
+    Class.method, and a function defined in a static method is named
+    through it, on 3.10 (no co_qualname: the hook finds the name from the
+    frame's module) as on 3.11+.  (Before, on 3.10: both 'wait_here',
+    and 'inner'.)"""
+    def app(environ, start_response):
+        Orders().wait_here()
+        Users().wait_here()
+        Orders.wait_static()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/qual").status == 200
+    p = s.profile_for("/qual")
+    for name in ("Orders.wait_here", "Users.wait_here",
+                 "Orders.wait_static.<locals>.inner"):
+        w = site(p, name)
+        assert w.filename == HERE and w.stack[-1].endswith(" in " + name)
 
 def test_the_wait_keys_are_the_documented_ones(serve):
     from test_config import documented_keys, section
@@ -424,10 +460,8 @@ def test_many_sites_fill_the_table_and_the_caches(serve):
     objects and lines are emptied and refilled on the way."""
     def template():
         gevent.sleep(0)
-    code = template.__code__
-    fns = [__import__("types").FunctionType(
-        code.replace(co_name="f%d" % i, co_qualname="f%d" % i), globals())
-        for i in range(4500)]
+    fns = [_fresh_function("f%d" % i, template.__code__.co_filename,
+                           template) for i in range(4500)]
 
     def app(environ, start_response):
         for f in fns:
@@ -471,3 +505,185 @@ def test_a_site_reached_from_another_caller_gets_its_own_stack(serve):
         caller = via_b if path.startswith("/b") else via_a
         assert stack[-2].endswith(" in " + caller.__qualname__), stack
     assert stacks["/a1"] == stacks["/a2"] == stacks["/a3"]
+
+
+def _fresh_function(name, filename, body):
+    """A function made at run time (its own code object) named name, in
+    file filename, running body's code."""
+    names = {"co_name": name, "co_filename": filename}
+    if hasattr(body.__code__, "co_qualname"):   # (3.11+)
+        names["co_qualname"] = name
+    return __import__("types").FunctionType(
+        body.__code__.replace(**names), {"gevent": gevent}, name)
+
+
+def test_two_threads_share_the_site_caches():
+    """One middleware served by two OS threads, each its own hub: every
+    request waits in 20 functions made for it, in files with non-ASCII
+    names (their names are cleaned by Python code, during which the GIL
+    passes to the other thread, whose hook fills and empties the shared
+    caches).  Every site is recorded, with its own file name.  (Before:
+    the other thread's waits were not recorded at all while one thread's
+    hook ran; with that fixed alone, a name was read from a cache slot
+    emptied meanwhile: a crash, or another code object's file name.)"""
+    import sys
+    import threading
+    from gevent import pywsgi
+    from greqprof import ProfilingMiddleware, engine
+    from test_middleware import http
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    N_FN, PER_CLIENT, CLIENTS = 20, 40, 3
+
+    def body():
+        gevent.sleep(0)
+
+    def app(environ, start_response):
+        tag = environ["PATH_INFO"].strip("/").replace("/", "_")
+        for i in range(N_FN):
+            name = "f_%s_%d" % (tag, i)
+            _fresh_function(name, "/srv/pr\u00f6ject/%s.py" % name, body)()
+        return ok()(environ, start_response)
+
+    profiles, failures = [], []
+    lock = threading.Lock()
+
+    def sink(p):
+        with lock:
+            profiles.append(p)
+
+    mw = ProfilingMiddleware(app, pct=1.0, linger=0, report=False, sink=sink,
+                             blocking_ms=None)
+
+    def serve_thread(index):
+        try:
+            server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+            server.start()
+
+            def client(c):
+                for k in range(PER_CLIENT):
+                    r = http(server.server_port, "/t%d/c%d/%d" % (index, c, k))
+                    if r.status != 200:
+                        failures.append(r.status)
+            gevent.joinall([gevent.spawn(client, c) for c in range(CLIENTS)],
+                           raise_error=True)
+            gevent.sleep(0.2)
+            server.stop()
+        except BaseException as e:  # reported by the main thread
+            failures.append(repr(e))
+        finally:
+            engine.shutdown()
+
+    try:
+        threads = [threading.Thread(target=serve_thread, args=(i,))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+    assert len(profiles) == 2 * CLIENTS * PER_CLIENT
+    for p in profiles:
+        tag = p.path.strip("/").replace("/", "_")
+        mine = sorted((w.fn_name, w.filename) for w in p.waits
+                      if w.fn_name.startswith("f_"))
+        assert mine == sorted(
+            ("f_%s_%d" % (tag, i), "/srv/pr\u00f6ject/f_%s_%d.py" % (tag, i))
+            for i in range(N_FN)), p.path
+
+
+def test_the_registry_keeps_the_sites_of_open_profiles(serve):
+    """80 requests open at once, each waiting at 256 sites of its own (more
+    records than the registry's 20000 cap): every site keeps its name.
+    (Before: the oldest open profiles' records were evicted, and their
+    sites came out as '?'.)  Once the profiles are read out, the registry
+    is empty."""
+    from gevent.event import Event
+    N_REQ, N_SITES = 80, 256
+    go = Event()
+    waited = []
+
+    def body():
+        gevent.sleep(0)
+
+    def app(environ, start_response):
+        r = environ["PATH_INFO"].strip("/")
+        for i in range(N_SITES):
+            name = "site_%s_%d" % (r, i)
+            _fresh_function(name, HERE, body)()
+        waited.append(r)
+        go.wait()
+        return ok()(environ, start_response)
+
+    _registry.wait_sites.clear()
+    s = serve(app, pct=1.0, linger=0, max_open=1000)
+    gs = [gevent.spawn(s.get, "/r%d" % i) for i in range(N_REQ)]
+    deadline = __import__("time").monotonic() + 60
+    while len(waited) < N_REQ and \
+            __import__("time").monotonic() < deadline:
+        gevent.sleep(0.05)
+    go.set()
+    gevent.joinall(gs, raise_error=True)
+    profiles = s.wait_profiles(N_REQ)
+    for p in profiles:
+        r = p.path.strip("/")
+        assert sorted(w.fn_name for w in p.waits) == sorted(
+            "site_%s_%d" % (r, i) for i in range(N_SITES)), p.path
+    assert not _registry.wait_sites
+
+
+def test_a_site_in_code_without_line_numbers_has_line_0(serve):
+    """Code made at run time without a line table: its site's line is 0
+    (documented), so the profile reads back through from_dict (which
+    refuses negative lines).  (Before: -1, and from_dict refused the
+    profile greqprof had written.)"""
+    def template():
+        gevent.sleep(0.01)
+    code = template.__code__.replace(co_linetable=b"")
+    nolines = __import__("types").FunctionType(code, globals(), "nolines")
+
+    def app(environ, start_response):
+        nolines()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/nolines").status == 200
+    p = s.profile_for("/nolines")
+    w = site(p, template.__code__.co_qualname
+             if hasattr(template.__code__, "co_qualname") else "template")
+    assert w.lineno == 0
+    assert w.stack[-1].endswith(":0 in " + w.fn_name)
+    back = RequestProfile.from_dict(json.loads(p.to_json()))
+    assert back.waits[0].lineno == 0
+
+
+def test_waits_past_the_event_cap_are_counted(serve):
+    """A request that waits 1100 times keeps its first 1024 waits one by
+    one and counts the rest in dropped_wait_events (which goes through
+    to_dict / from_dict, validated, and into the page's note); the site
+    still counts them all.  (Before: the C count never reached the
+    profile.)"""
+    def app(environ, start_response):
+        for _ in range(1100):
+            gevent.sleep(0)
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=0)
+    assert s.get("/many-waits").status == 200
+    p = s.profile_for("/many-waits")
+    assert len(p.wait_events) == 1024
+    assert p.dropped_wait_events == sum(w.count for w in p.waits) - 1024
+    assert p.dropped_wait_events >= 1100 - 1024
+    d = json.loads(p.to_json())
+    assert d["dropped_wait_events"] == p.dropped_wait_events
+    assert RequestProfile.from_dict(d).dropped_wait_events == \
+        p.dropped_wait_events
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="dropped_wait_events"):
+            RequestProfile.from_dict(dict(d, dropped_wait_events=bad))
+    page = render(p, "html")
+    assert '"dropped_wait_events": %d' % p.dropped_wait_events in page or \
+        '"dropped_wait_events":%d' % p.dropped_wait_events in page

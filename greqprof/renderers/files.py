@@ -20,6 +20,22 @@ def sanitize_path(path):
     return text[:MAX_NAME].rstrip("._-") or "root"
 
 
+class FormatError(Exception):
+    """Some formats of a profile could not be written: ``errors`` is
+    [(format name, exception)], ``paths`` the files the other formats
+    were written to."""
+
+    def __init__(self, paths, errors):
+        self.paths = list(paths)
+        self.errors = list(errors)
+        super().__init__("; ".join(
+            "format %s not written (%s: %s)" % (name, type(e).__name__, e)
+            for name, e in self.errors) + (
+            "; written: %s" % ", ".join(os.path.basename(p)
+                                        for p in self.paths)
+            if self.paths else ""))
+
+
 class ProfileWriter:
     """Writes every profile it gets as ``<time>-<pid>-<path>-<n>.<ext>``
     (UTC start time to the microsecond, process id, sanitised path, a
@@ -73,19 +89,30 @@ class ProfileWriter:
     def write(self, profile):
         """Writes ``profile`` in every format; returns the paths written.
 
-        Each file is written under a hidden temporary name first and only
-        then linked to its final name, so a failed write (disk full, a
-        size limit) never leaves a truncated file under a final name: on
-        failure the temporary files are removed and the error raised."""
-        outputs = [(r, r.render(profile)) for r in self.renderers]
+        Each format is rendered and written on its own: one that fails
+        (a renderer's error, disk full, a size limit) does not keep the
+        others from being written; its error is raised afterwards, as a
+        FormatError naming it (the caller logs and counts it).  Each file
+        is written under a hidden temporary name first and only then
+        linked to its final name, so a failed write never leaves a
+        truncated file under a final name.  When no format could be
+        written, the first error is raised as it is."""
         with self._lock:
             n = next(self._counter)
-        temps = []
+        temps, outputs, failed = [], [], []
         try:
-            for r, data in outputs:
-                temps.append(self._write_temp(
-                    data if isinstance(data, bytes) else data.encode("utf-8"),
-                    n, len(temps)))
+            for r in self.renderers:
+                try:
+                    data = r.render(profile)
+                    temps.append(self._write_temp(
+                        data if isinstance(data, bytes)
+                        else data.encode("utf-8"), n, len(temps)))
+                except Exception as e:
+                    failed.append((r.name, e))
+                    continue
+                outputs.append((r, None))
+            if not outputs:
+                raise failed[0][1]   # (nothing written: the first error)
             while True:
                 base = self.base_name(profile, n)
                 paths = [os.path.join(self.directory, r.filename(base))
@@ -97,11 +124,15 @@ class ProfileWriter:
                         # replaced, even one another process wrote)
                         os.link(tmp, path)
                         linked.append(path)
+                    if failed:
+                        raise FormatError(linked, failed)
                     return linked
                 except FileExistsError:
                     _unlink_all(linked)   # another writer took this name
                     with self._lock:
                         n = next(self._counter)
+                except FormatError:
+                    raise   # (the others stay written)
                 except BaseException:
                     _unlink_all(linked)
                     raise

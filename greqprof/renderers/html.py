@@ -178,7 +178,8 @@ def _wait_data(v, row_of, t0):
     (drawn on the greenlets' rows: [row, t0, t1, site])."""
     r = v.request
     if r is None or v.kind != "request":
-        return {"waits": [], "wait_events": [], "dropped_waits": 0}
+        return {"waits": [], "wait_events": [], "dropped_waits": 0,
+                "dropped_wait_events": 0}
     return {
         "waits": [{"fn": w.fn_name, "file": w.filename, "line": w.lineno,
                    "stack": list(w.stack), "seconds": w.seconds,
@@ -190,6 +191,7 @@ def _wait_data(v, row_of, t0):
                         if e.greenlet_id in row_of
                         and 0 <= e.site < len(r.waits)],
         "dropped_waits": r.dropped_waits,
+        "dropped_wait_events": r.dropped_wait_events,
     }
 
 

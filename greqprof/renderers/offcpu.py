@@ -19,7 +19,9 @@ def parse_stack_entry(entry):
     if not sep:
         return entry, "", 0
     file, sep, line = where.rpartition(":")
-    if not sep or not line.isdigit():
+    # (ASCII digits only: str.isdigit() is also true of '\u00b2', which
+    # int() refuses)
+    if not sep or not line or not line.isascii() or not line.isdigit():
         return fn, where, 0
     return fn, file, int(line)
 

@@ -120,6 +120,11 @@
     }
   }
   leg("gq-sw-block", "blocking span (held the event loop)");
+  if (data.dropped_wait_events) {
+    add(app, el("p", "gq-note", data.dropped_wait_events +
+      " more waits are not drawn (the profile keeps the first 1024 one by one; " +
+      "the table below counts them all)."));
+  }
   if (data.truncated_spans) {
     add(app, el("p", "gq-note", data.truncated_spans +
       " more spans are not drawn (the page draws at most " + data.spans.length + ")."));

@@ -202,6 +202,9 @@ GQP_API int gqp_profile_close(gqp_profile *p);
 GQP_API int gqp_profile_is_closed(const gqp_profile *p);
 /* Number of live greenlets whose spans currently go to the profile. */
 GQP_API size_t gqp_profile_attached(const gqp_profile *p);
+/* Number of references held (retain/new minus free); 0 for an invalid
+ * handle.  (since 0.2) */
+GQP_API size_t gqp_profile_refs(const gqp_profile *p);
 /* Empties the profile's data (caps and open/closed state are kept). */
 GQP_API int gqp_profile_clear(gqp_profile *p);
 

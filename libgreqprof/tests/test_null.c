@@ -109,6 +109,7 @@ TEST(null_tracer_functions)
     ASSERT_RC(gqp_tracer_flush_ex(NULL, 0), GQP_EINVAL);
     ASSERT_RC(gqp_tracer_set_spawn_profile(NULL, KG, p), GQP_EINVAL);
     ASSERT_EQ_SIZE(gqp_profile_attached(NULL), 0);
+    ASSERT_EQ_SIZE(gqp_profile_refs(NULL), 0);
     ASSERT_OK(gqp_set_allocator(NULL)); /* NULL restores malloc */
     ASSERT_EQ_SIZE(gqp_tracer_greenlet_count(NULL), 0);
     ASSERT_RC(gqp_tracer_waited(NULL, p, 0, 10, &total, ids, ns, 2,

@@ -118,12 +118,15 @@ TEST(profile_caps_rejected_after_data)
 TEST(profile_retain_free_balance)
 {
     gqp_profile *p = new_profile();
+    ASSERT_EQ_SIZE(gqp_profile_refs(p), 1);
     ASSERT_OK(gqp_profile_retain(p));
     ASSERT_OK(gqp_profile_retain(p));
     ASSERT_OK(gqp_profile_retain(p));
+    ASSERT_EQ_SIZE(gqp_profile_refs(p), 4);
     gqp_profile_free(p);
     gqp_profile_free(p);
     gqp_profile_free(p);
+    ASSERT_EQ_SIZE(gqp_profile_refs(p), 1);
     /* still one reference: still usable */
     ASSERT_EQ_I64(gqp_profile_is_closed(p), 0);
     ASSERT_EQ_I64(pget(p, GQP_PROFILE_MAX_SPANS), 10000);
