@@ -9,7 +9,6 @@ profile.
 Exit status 2 with a message on stderr for a usage or input error."""
 import argparse
 import importlib
-import json
 import logging
 import os
 import sys

@@ -270,10 +270,10 @@ def _waits(p):
 
 def _wait_rows(w):
     """read_profile's item 13 (_hooks.c's read_waits: records, stats,
-    dropped, events) as the rows the renderers read: ((fn, filename,
+    dropped, events, events dropped) as the rows the renderers read: ((fn, filename,
     line, stack, ns, count, greenlets), ...) in table order, and dropped."""
     from ._collect import WAIT_SITE_ROW
-    records, stats, dropped, _events = w
+    records, stats, dropped = w[0], w[1], w[2]
     rows = []
     for rec, (_key, ns, count, gl, _tag, _r) in zip(
             records, WAIT_SITE_ROW.iter_unpack(stats)):

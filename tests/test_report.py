@@ -477,13 +477,13 @@ def _synthetic(seed, n_spans, n_greenlets):
 def _read_waits_layout(rows, dropped):
     """Rows (fn, filename, line, stack, ns, count, greenlets) as
     read_profile hands them (_hooks.c's read_waits: records, stats,
-    dropped, events)."""
+    dropped, events, events dropped)."""
     from greqprof._collect import WAIT_SITE_ROW
     records = tuple((None, fn, filename, line, stack)
                     for fn, filename, line, stack, _, _, _ in rows)
     stats = b"".join(WAIT_SITE_ROW.pack(i + 1, ns, count, gl, 0, 0)
                      for i, (_, _, _, _, ns, count, gl) in enumerate(rows))
-    return (records, stats, dropped, b"")
+    return (records, stats, dropped, b"", 0)
 
 
 @pytest.mark.parametrize("seed", range(12))
