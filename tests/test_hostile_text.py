@@ -45,8 +45,10 @@ def _strange_function():
         while time.thread_time() < t:   # holds the loop: a blocking span
             pass
         return 1
-    code = template.__code__.replace(co_name=FN_NAME, co_qualname=FN_NAME,
-                                     co_filename=FILE_NAME)
+    names = {"co_name": FN_NAME, "co_filename": FILE_NAME}
+    if hasattr(template.__code__, "co_qualname"):   # (3.11+)
+        names["co_qualname"] = FN_NAME
+    code = template.__code__.replace(**names)
     return types.FunctionType(code, {"time": time}, FN_NAME)
 
 
