@@ -571,35 +571,46 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         Py_RETURN_NONE;
     }
 
-    /* wait sites, when read_profile gave them (item 13): checked here,
-     * so that the text is not half written when they are not as expected
-     * (None: the caller renders in Python) */
-    PyObject *wait_rows = NULL;
+    /* wait sites, when read_profile gave them (item 13: read_waits'
+     * (records, stats, dropped, events, events dropped), read here as it
+     * is, without a Python row per site): checked here, so that the text
+     * is not half written when they are not as expected (None: the caller
+     * renders in Python) */
+    PyObject *wait_recs = NULL;
+    const char *wait_stats = NULL;
+    Py_ssize_t nw = 0;
     long long wait_dropped = 0;
     if (PyTuple_GET_SIZE(raw) > 13) {
         PyObject *w = PyTuple_GET_ITEM(raw, 13);
-        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3 ||
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 5 ||
             !(PyList_Check(PyTuple_GET_ITEM(w, 0)) ||
-              PyTuple_Check(PyTuple_GET_ITEM(w, 0)))) {
+              PyTuple_Check(PyTuple_GET_ITEM(w, 0))) ||
+            !PyBytes_Check(PyTuple_GET_ITEM(w, 1)) ||
+            PyBytes_GET_SIZE(PyTuple_GET_ITEM(w, 1)) %
+                sizeof(gqp_wait_stat) ||
+            !PyLong_Check(PyTuple_GET_ITEM(w, 2))) {
             Py_RETURN_NONE;
         }
-        wait_rows = PyTuple_GET_ITEM(w, 0);
-        wait_dropped = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 1));
+        wait_recs = PyTuple_GET_ITEM(w, 0);
+        wait_stats = PyBytes_AS_STRING(PyTuple_GET_ITEM(w, 1));
+        wait_dropped = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
         if (wait_dropped < 0) {
             PyErr_Clear();
             Py_RETURN_NONE;
         }
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(wait_rows);
-             i++) {
-            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, i);
-            if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 7 ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 2)) ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 4)) ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 5)) ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 6)) ||
-                PyLong_AsLongLong(PyTuple_GET_ITEM(r, 5)) < 0 ||
-                PyLong_AsLongLong(PyTuple_GET_ITEM(r, 6)) < 0) {
-                PyErr_Clear();
+        /* (zip(records, stats): the shorter decides) */
+        nw = PyBytes_GET_SIZE(PyTuple_GET_ITEM(w, 1)) /
+             (Py_ssize_t)sizeof(gqp_wait_stat);
+        if (PySequence_Fast_GET_SIZE(wait_recs) < nw) {
+            nw = PySequence_Fast_GET_SIZE(wait_recs);
+        }
+        for (Py_ssize_t i = 0; i < nw; i++) {
+            /* a record: (code, fn, filename, line, stack), or None (the
+             * registry dropped it) */
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_recs, i);
+            if (r != Py_None &&
+                (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 5 ||
+                 !PyLong_Check(PyTuple_GET_ITEM(r, 3)))) {
                 Py_RETURN_NONE;
             }
         }
@@ -944,20 +955,16 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             goto done;
         }
     }
-    /* wait sites (read_profile's item 13: (rows, dropped, events), rows
-     * (fn, filename, line, stack, ns, count, greenlets)), as
-     * report.render_waits prints them: the 5 largest, ties in order */
-    if (wait_rows) {
-        Py_ssize_t nw = PySequence_Fast_GET_SIZE(wait_rows);
+    /* wait sites, as report.render_waits prints them: the 5 largest,
+     * ties in order */
+    if (wait_recs) {
         Py_ssize_t top5[5];
         long long top5_ns[5];
         int m = 0;
         for (Py_ssize_t i = 0; i < nw; i++) {
-            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, i);
-            long long wns = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 4));
-            if (wns == -1 && PyErr_Occurred()) {
-                goto done;
-            }
+            gqp_wait_stat st;
+            memcpy(&st, wait_stats + i * sizeof st, sizeof st);
+            long long wns = st.wait_ns;
             int at = m;
             while (at > 0 && top5_ns[at - 1] < wns) {
                 at--;
@@ -984,33 +991,43 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             BUF_LIT(&b, " sites)");
         }
         for (int k = 0; k < m; k++) {
-            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, top5[k]);
-            long long line = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 2));
-            long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 5));
-            long long gl = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 6));
-            if (PyErr_Occurred()) {
-                goto done;
+            gqp_wait_stat st;
+            memcpy(&st, wait_stats + top5[k] * sizeof st, sizeof st);
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_recs, top5[k]);
+            PyObject *fn = NULL, *filename = NULL;
+            long long line = 0;
+            if (r != Py_None) {
+                fn = PyTuple_GET_ITEM(r, 1);
+                filename = PyTuple_GET_ITEM(r, 2);
+                line = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 3));
+                if (line == -1 && PyErr_Occurred()) {
+                    goto done;
+                }
             }
             BUF_LIT(&b, "\n  ");
             buf_ms(&b, 1, (double)top5_ns[k] * 1e-9, 10);
             BUF_LIT(&b, " ");
-            buf_u64(&b, (unsigned long long)count, 6);
-            if (count == 1) {
+            buf_u64(&b, (unsigned long long)st.count, 6);
+            if (st.count == 1) {
                 BUF_LIT(&b, " wait  ");
             } else {
                 BUF_LIT(&b, " waits ");
             }
-            buf_u64(&b, (unsigned long long)gl, 4);
-            if (gl == 1) {
+            buf_u64(&b, (unsigned long long)st.greenlets, 4);
+            if (st.greenlets == 1) {
                 BUF_LIT(&b, " greenlet   ");
             } else {
                 BUF_LIT(&b, " greenlets  ");
             }
-            if (buf_safe(&b, PyTuple_GET_ITEM(r, 0), 200, safe) < 0) {
+            /* (a dropped record: "?" and no file, as _collect.wait_sites) */
+            if (fn == NULL) {
+                BUF_LIT(&b, "?");
+            } else if (buf_safe(&b, fn, 200, safe) < 0) {
                 goto done;
             }
             BUF_LIT(&b, " (");
-            if (buf_safe(&b, PyTuple_GET_ITEM(r, 1), 300, safe) < 0) {
+            if (filename != NULL &&
+                buf_safe(&b, filename, 300, safe) < 0) {
                 goto done;
             }
             BUF_LIT(&b, ":");

@@ -283,17 +283,6 @@ def _wait_rows(w):
     return tuple(rows), dropped
 
 
-def _raw_for_c(raw):
-    """read_profile's rows with the wait sites (item 13) as the rows C's
-    renderer reads: (rows, dropped, events)."""
-    if len(raw) <= 13:
-        return raw
-    try:
-        return raw[:13] + (_wait_rows(raw[13]) + (b"",),)
-    except (TypeError, ValueError):
-        return raw[:13] + (None,)   # (C then declines: Python renders)
-
-
 class _Wait:
     """A wait site read from the rows (the fields render_waits reads)."""
     __slots__ = ("fn_name", "filename", "lineno", "stack", "seconds",
@@ -375,17 +364,18 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
         spans = max_spans
     d = p.__dict__
     loader = d.get("_loader")
-    if loader is not None and _render_rows is not None:
-        if loader[0] is _request_records():
-            # (C writes the wait sites too; the common report has no
-            # section after them: C writes the end line too, saving a copy
-            # of the text)
-            last = not d.get("blocking") and d.get("calls") is None
-            text = _render_rows(d, _raw_for_c(loader[1]), spans, greenlets,
-                                safe, _indent_clean_stack, last, _clean_safe)
-            if text is not None:
-                return text if last else _tail(p, [text], calls_limit,
-                                               waits=False)
+    if loader is not None and _render_rows is not None and \
+            loader[0] is (_records_loader or _request_records()):
+        # (C reads the rows as read_profile gave them, wait sites
+        # included, and writes the wait sites too; the common report has
+        # no section after them: C writes the end line too, saving a copy
+        # of the text)
+        last = not d.get("blocking") and d.get("calls") is None
+        text = _render_rows(d, loader[1], spans, greenlets, safe,
+                            _indent_clean_stack, last, _clean_safe)
+        if text is not None:
+            return text if last else _tail(p, [text], calls_limit,
+                                           waits=False)
     return _render_py(p, spans, calls_limit, greenlets)
 
 

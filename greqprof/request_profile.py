@@ -485,8 +485,20 @@ class RequestProfile:
 
     def report(self, **kw):
         """The text report (``>>> Begin RequestProfile`` ...)."""
-        from .report import render_text
-        return render_text(self, **kw)
+        # (report imports this module: bound on first use; an import
+        # statement here would cost ~2k instructions per report)
+        render = _render_text or _bind_render_text()
+        return render(self, **kw)
+
+
+_render_text = None
+
+
+def _bind_render_text():
+    global _render_text
+    from .report import render_text
+    _render_text = render_text
+    return render_text
 
 
 class _Reader:
