@@ -153,14 +153,19 @@ static void buf_u64(gqp_buf *b, unsigned long long v, int width)
     buf_put(b, p, (size_t)(tmp + sizeof tmp - p));
 }
 
-/* "%.1f" % v into tmp (>= 40 bytes), as Python (and printf) print it: the
- * exact binary value rounded half-even.  10*v is rounded once by the
- * multiplication; TwoSum recovers that error, which decides the cases the
- * rounding moved onto or across .5.  Returns the length. */
-static int fmt_1f(char *tmp, double v)
+/* "%.1f" % v, as Python (and printf) print it: the exact binary value
+ * rounded half-even, written backwards so that it ends at `end` (>= 40
+ * bytes of room before it); returns where it starts.  10*v is rounded
+ * once by the multiplication; TwoSum recovers that error, which decides
+ * the cases the rounding moved onto or across .5. */
+static char *fmt_1f(char *end, double v)
 {
     if (!(fabs(v) < 1e14)) {   /* (huge or NaN: printf) */
-        return snprintf(tmp, 40, "%.1f", v);
+        char tmp[48];
+        int n = snprintf(tmp, sizeof tmp, "%.1f", v);
+        n = n < 0 ? 0 : n > 40 ? 40 : n;
+        memcpy(end - n, tmp, (size_t)n);
+        return end - n;
     }
     int neg = signbit(v) != 0;
     double x = fabs(v);
@@ -176,10 +181,6 @@ static int fmt_1f(char *tmp, double v)
     if (frac > 0.5 || (frac == 0.5 && (e > 0 || (e == 0 && (n & 1))))) {
         n++;
     }
-    /* digits written backwards from the end of a scratch array, then
-     * moved to tmp's start: callers append tmp[0..len) */
-    char rev[24];
-    char *end = rev + sizeof rev;
     char *p = end;
     *--p = (char)('0' + n % 10);
     *--p = '.';
@@ -187,35 +188,31 @@ static int fmt_1f(char *tmp, double v)
     if (neg) {
         *--p = '-';
     }
-    int len = (int)(end - p);
-    memcpy(tmp, p, (size_t)len);
-    tmp[len] = '\0';
-    return len;
+    return p;
 }
 
 /* report._ms(seconds) ("-" for none) right-aligned in width (0: none) */
 static void buf_ms(gqp_buf *b, int have, double seconds, int width)
 {
     char tmp[48];
-    int n;
+    char *end = tmp + sizeof tmp, *p;
     if (have) {
-        n = fmt_1f(tmp, seconds * 1000.0);
-        memcpy(tmp + n, " ms", 4);
-        n += 3;
+        memcpy(end - 3, " ms", 3);
+        p = fmt_1f(end - 3, seconds * 1000.0);
     } else {
-        tmp[0] = '-';
-        n = 1;
+        p = end - 1;
+        *p = '-';
     }
-    buf_pad(b, width - n);
-    buf_put(b, tmp, (size_t)n);
+    buf_pad(b, width - (int)(end - p));
+    buf_put(b, p, (size_t)(end - p));
 }
 
 /* "%.1f" % v, appended */
 static void buf_1f(gqp_buf *b, double v)
 {
     char tmp[48];
-    int n = fmt_1f(tmp, v);
-    buf_put(b, tmp, (size_t)n);
+    char *p = fmt_1f(tmp + sizeof tmp, v);
+    buf_put(b, p, (size_t)(tmp + sizeof tmp - p));
 }
 
 /* 1 when s is plain printable ASCII (0x20..0x7e): clean() keeps it.

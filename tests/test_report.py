@@ -608,3 +608,19 @@ def test_c_renderer_reads_read_waits_layout_as_it_is():
         assert report._render_rows(p.__dict__, raw[:13] + (bad,), 10, 20,
                                    report.safe, report._indent_clean_stack,
                                    True, report._clean_safe) is None
+
+
+@pytest.mark.parametrize("wall", [float("inf"), 1e20, -1e20, -0.0004,
+                                  0.00005, 2.5e-4, 1e10])
+def test_c_renderer_prints_odd_times_as_python_does(wall):
+    """A hand-set wall time far outside a request's (printf's path in C),
+    negative, or on a rounding boundary: the C text is Python's."""
+    from greqprof import report
+    p, loader, raw = _synthetic(5, 12, 3)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    p.__dict__["_loader"] = (loader, raw)
+    p.__dict__["wall"] = wall
+    text = p.report()
+    assert "  Elapsed wall time: %s\n" % report._ms(wall) in text
+    assert text == report._render_py(p, 10, 25, 20)
