@@ -83,13 +83,20 @@ static inline __attribute__((always_inline)) void buf_put(gqp_buf *b,
 }
 
 /* n spaces (n <= 0: none) */
-static void buf_pad(gqp_buf *b, int n)
+static void buf_pad_slow(gqp_buf *b, int n)
 {
     static const char spaces[] = "                                ";
     while (n > 0) {
         int k = n < (int)sizeof spaces - 1 ? n : (int)sizeof spaces - 1;
         buf_put(b, spaces, (size_t)k);
         n -= k;
+    }
+}
+
+static inline __attribute__((always_inline)) void buf_pad(gqp_buf *b, int n)
+{
+    if (n > 0) {
+        buf_pad_slow(b, n);
     }
 }
 
