@@ -270,8 +270,9 @@ def _waits(p):
 
 def _wait_rows(w):
     """read_profile's item 13 (_hooks.c's read_waits: records, stats,
-    dropped, events, events dropped) as the rows the renderers read: ((fn, filename,
-    line, stack, ns, count, greenlets), ...) in table order, and dropped."""
+    dropped, events, events dropped) as the rows the Python renderer
+    reads: ((fn, filename, line, stack, ns, count, greenlets), ...) in
+    table order, and dropped.  (_render.c reads item 13 as it is.)"""
     from ._collect import WAIT_SITE_ROW
     records, stats, dropped = w[0], w[1], w[2]
     rows = []
@@ -297,8 +298,9 @@ class _Wait:
 
 def _raw_waits(raw):
     """A deferred profile's (wait sites, largest first; waits not
-    recorded) from its rows (read_profile's item 13: (site rows, dropped,
-    events), the layout _collect.wait_sites reads), without the per-event
+    recorded) from its rows (read_profile's item 13: read_waits' (records,
+    stats, dropped, events, events dropped), the layout
+    _collect.wait_sites reads), without the per-event
     records that building every field would make; None when the rows are
     not in that layout."""
     if len(raw) <= 13:

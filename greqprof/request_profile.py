@@ -486,19 +486,19 @@ class RequestProfile:
     def report(self, **kw):
         """The text report (``>>> Begin RequestProfile`` ...)."""
         # (report imports this module: bound on first use; an import
-        # statement here would cost ~2k instructions per report)
-        render = _render_text or _bind_render_text()
-        return render(self, **kw)
+        # statement here would cost ~2k instructions per report.  The
+        # module, not the function: render_text stays replaceable)
+        return (_report or _bind_report()).render_text(self, **kw)
 
 
-_render_text = None
+_report = None
 
 
-def _bind_render_text():
-    global _render_text
-    from .report import render_text
-    _render_text = render_text
-    return render_text
+def _bind_report():
+    global _report
+    from . import report
+    _report = report
+    return report
 
 
 class _Reader:
