@@ -19,12 +19,15 @@ same handler.
 --instructions counts instructions per call with valgrind's callgrind
 instead of timing (immune to what else the machine runs): each row runs
 twice in a fresh interpreter, N and 5N calls, and the difference of the
-totals over 4N is its count per call.
+totals over 4N is its count per call (PYTHONHASHSEED=0 in both, so that
+their start-ups are the same).
 
 Rows (a row whose code this checkout does not have is skipped, so the
 same script measures an older checkout too):
 
 * bare ``logger.info("x")`` — the logging floor;
+* bare ``logger.info(text)`` of the report's text (made once) — the floor
+  for a message of the report's size;
 * text report logged (``_deliver``, the default: report=True) — the
   number issue 16 limits to 15 us;
 * text report, rendered only (``profile.report()``);
@@ -113,6 +116,11 @@ def file_logger(path, name):
 def configs(mw, p, log):
     from greqprof import report
     out = [("bare", 'bare `logger.info("x")`', lambda q: log.info("x"))]
+    # (the logging floor for this report: its text, made once, logged)
+    text = fresh(p).report()
+    out.append(("bare-text", "bare `logger.info(text)` of the report's "
+                "text (%.1f KB, made once)" % (len(text) / 1000.0),
+                lambda q: log.info(text)))
     mw.log = log
     mw.report = True
     mw.sink = None
@@ -188,6 +196,10 @@ def instructions(keys, n):
         print("skipped: valgrind not installed")
         return {}
     out = {}
+    # (one hash seed for every run: a random one changes the start-up's
+    # dict and set collisions, which the difference of two runs would
+    # count as several thousand instructions per call)
+    env = dict(os.environ, PYTHONHASHSEED="0")
     for key in keys:
         totals = []
         for calls in (n, 5 * n):
@@ -196,7 +208,8 @@ def instructions(keys, n):
                     ["valgrind", "--tool=callgrind",
                      "--callgrind-out-file=" + os.path.join(d, "cg.out"),
                      sys.executable, os.path.abspath(__file__), "--run", key,
-                     "--n", str(calls)], capture_output=True, text=True)
+                     "--n", str(calls)], capture_output=True, text=True,
+                    env=env)
             m = re.search(r"Collected : (\d+)", proc.stderr)
             if proc.returncode == 3:
                 break
@@ -229,13 +242,15 @@ def main(argv=None):
         run_only(args.run, args.n)
         return 0
     if args.instructions:
-        keys = ["bare", "text", "render", "text-py"]
+        keys = ["bare", "bare-text", "text", "render", "text-py"]
         counts = instructions(["none"] + keys,
                               20 if args.quick else args.n)
         if counts:
             print("| configuration | instructions per call | over bare |")
             print("|---|---:|---:|")
             labels = {"bare": 'bare `logger.info("x")`',
+                      "bare-text": "bare `logger.info(text)` of the "
+                                   "report's text",
                       "text": "text report logged (`_deliver`, the "
                               "default)",
                       "render": "text report, rendered only (`report()`)",

@@ -26,7 +26,24 @@ typedef struct {
     size_t n, cap;
     int failed;
     int nonascii;   /* UTF-8 beyond ASCII was appended */
+    int heap;       /* p is PyMem memory (else the caller's array) */
 } gqp_buf;
+
+/* A buffer that starts in the caller's array (a report's text fits in a
+ * few KB: no allocation in the common case) */
+static void buf_init(gqp_buf *b, char *array, size_t size)
+{
+    memset(b, 0, sizeof *b);
+    b->p = array;
+    b->cap = size;
+}
+
+static void buf_free(gqp_buf *b)
+{
+    if (b->heap) {
+        PyMem_Free(b->p);
+    }
+}
 
 static void buf_grow(gqp_buf *b, size_t more)
 {
@@ -37,16 +54,23 @@ static void buf_grow(gqp_buf *b, size_t more)
     while (cap < b->n + more) {
         cap *= 2;
     }
-    char *p = PyMem_Realloc(b->p, cap);
+    char *p = b->heap ? PyMem_Realloc(b->p, cap) : PyMem_Malloc(cap);
     if (!p) {
         b->failed = 1;
         return;
     }
+    if (!b->heap && b->n) {
+        memcpy(p, b->p, b->n);
+    }
     b->p = p;
     b->cap = cap;
+    b->heap = 1;
 }
 
-static inline void buf_put(gqp_buf *b, const char *s, size_t n)
+/* (always inlined: a literal's memcpy then compiles to a few moves) */
+static inline __attribute__((always_inline)) void buf_put(gqp_buf *b,
+                                                          const char *s,
+                                                          size_t n)
 {
     if (b->n + n > b->cap) {
         buf_grow(b, n);
@@ -56,6 +80,24 @@ static inline void buf_put(gqp_buf *b, const char *s, size_t n)
     }
     memcpy(b->p + b->n, s, n);
     b->n += n;
+}
+
+/* n spaces (n <= 0: none) */
+static void buf_pad_slow(gqp_buf *b, int n)
+{
+    static const char spaces[] = "                                ";
+    while (n > 0) {
+        int k = n < (int)sizeof spaces - 1 ? n : (int)sizeof spaces - 1;
+        buf_put(b, spaces, (size_t)k);
+        n -= k;
+    }
+}
+
+static inline __attribute__((always_inline)) void buf_pad(gqp_buf *b, int n)
+{
+    if (n > 0) {
+        buf_pad_slow(b, n);
+    }
 }
 
 static void buf_puts(gqp_buf *b, const char *s)
@@ -83,14 +125,28 @@ static void buf_printf(gqp_buf *b, const char *fmt, ...)
     }
 }
 
-/* Decimal digits of v into the end of tmp; returns where they start. */
+static const char digit_pairs[201] =
+    "00010203040506070809101112131415161718192021222324252627282930313233"
+    "34353637383940414243444546474849505152535455565758596061626364656667"
+    "6869707172737475767778798081828384858687888990919293949596979899";
+
+/* Decimal digits of v into the end of tmp; returns where they start.
+ * (two digits per division: epoch milliseconds have 13) */
 static char *u64_digits(char *end, unsigned long long v)
 {
     char *p = end;
-    do {
-        *--p = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
+    while (v >= 100) {
+        unsigned r = (unsigned)(v % 100);
+        v /= 100;
+        p -= 2;
+        memcpy(p, digit_pairs + 2 * r, 2);
+    }
+    if (v >= 10) {
+        p -= 2;
+        memcpy(p, digit_pairs + 2 * v, 2);
+    } else {
+        *--p = (char)('0' + v);
+    }
     return p;
 }
 
@@ -100,20 +156,23 @@ static void buf_u64(gqp_buf *b, unsigned long long v, int width)
 {
     char tmp[32];
     char *p = u64_digits(tmp + sizeof tmp, v);
-    for (int pad = width - (int)(tmp + sizeof tmp - p); pad > 0; pad--) {
-        buf_put(b, " ", 1);
-    }
+    buf_pad(b, width - (int)(tmp + sizeof tmp - p));
     buf_put(b, p, (size_t)(tmp + sizeof tmp - p));
 }
 
-/* "%.1f" % v into tmp (>= 40 bytes), as Python (and printf) print it: the
- * exact binary value rounded half-even.  10*v is rounded once by the
- * multiplication; TwoSum recovers that error, which decides the cases the
- * rounding moved onto or across .5.  Returns the length. */
-static int fmt_1f(char *tmp, double v)
+/* "%.1f" % v, as Python (and printf) print it: the exact binary value
+ * rounded half-even, written backwards so that it ends at `end` (>= 40
+ * bytes of room before it); returns where it starts.  10*v is rounded
+ * once by the multiplication; TwoSum recovers that error, which decides
+ * the cases the rounding moved onto or across .5. */
+static char *fmt_1f(char *end, double v)
 {
     if (!(fabs(v) < 1e14)) {   /* (huge or NaN: printf) */
-        return snprintf(tmp, 40, "%.1f", v);
+        char tmp[48];
+        int n = snprintf(tmp, sizeof tmp, "%.1f", v);
+        n = n < 0 ? 0 : n > 40 ? 40 : n;
+        memcpy(end - n, tmp, (size_t)n);
+        return end - n;
     }
     int neg = signbit(v) != 0;
     double x = fabs(v);
@@ -129,10 +188,6 @@ static int fmt_1f(char *tmp, double v)
     if (frac > 0.5 || (frac == 0.5 && (e > 0 || (e == 0 && (n & 1))))) {
         n++;
     }
-    /* digits written backwards from the end of tmp, then moved to its
-     * start: callers append tmp[0..len) */
-    char rev[40];
-    char *end = rev + sizeof rev;
     char *p = end;
     *--p = (char)('0' + n % 10);
     *--p = '.';
@@ -140,39 +195,31 @@ static int fmt_1f(char *tmp, double v)
     if (neg) {
         *--p = '-';
     }
-    int len = (int)(end - p);
-    for (int i = 0; i < len; i++) {
-        tmp[i] = p[i];
-    }
-    tmp[len] = '\0';
-    return len;
+    return p;
 }
 
 /* report._ms(seconds) ("-" for none) right-aligned in width (0: none) */
 static void buf_ms(gqp_buf *b, int have, double seconds, int width)
 {
     char tmp[48];
-    int n;
+    char *end = tmp + sizeof tmp, *p;
     if (have) {
-        n = fmt_1f(tmp, seconds * 1000.0);
-        memcpy(tmp + n, " ms", 4);
-        n += 3;
+        memcpy(end - 3, " ms", 3);
+        p = fmt_1f(end - 3, seconds * 1000.0);
     } else {
-        tmp[0] = '-';
-        n = 1;
+        p = end - 1;
+        *p = '-';
     }
-    for (int pad = width - n; pad > 0; pad--) {
-        buf_put(b, " ", 1);
-    }
-    buf_put(b, tmp, (size_t)n);
+    buf_pad(b, width - (int)(end - p));
+    buf_put(b, p, (size_t)(end - p));
 }
 
 /* "%.1f" % v, appended */
 static void buf_1f(gqp_buf *b, double v)
 {
     char tmp[48];
-    int n = fmt_1f(tmp, v);
-    buf_put(b, tmp, (size_t)n);
+    char *p = fmt_1f(tmp + sizeof tmp, v);
+    buf_put(b, p, (size_t)(tmp + sizeof tmp - p));
 }
 
 /* 1 when s is plain printable ASCII (0x20..0x7e): clean() keeps it.
@@ -193,6 +240,13 @@ static int plain_ascii(PyObject *s)
         if (((w - 0x20 * ones) | (del - ones)) & ~w & high) {
             return 0;
         }
+    }
+    if (i < n && n >= 8) {
+        /* the tail: the last 8 bytes (overlapping the words checked) */
+        uint64_t w;
+        memcpy(&w, c + n - 8, 8);
+        uint64_t del = w ^ (0x7f * ones);
+        return !(((w - 0x20 * ones) | (del - ones)) & ~w & high);
     }
     for (; i < n; i++) {
         if (c[i] < 0x20 || c[i] == 0x7f) {
@@ -347,6 +401,37 @@ static int lookup_names(PyObject *names, uint64_t gid, PyObject **name,
     return 1;
 }
 
+/* lab == "greenlet-<gid>" (a greenlet's default name: shown as its id) */
+static int default_name(PyObject *lab, uint64_t gid)
+{
+    Py_ssize_t n = PyUnicode_GET_LENGTH(lab);
+    if (!PyUnicode_IS_ASCII(lab) || n <= 9 ||
+        memcmp(PyUnicode_1BYTE_DATA(lab), "greenlet-", 9) != 0) {
+        return 0;
+    }
+    char tmp[24];
+    char *d = u64_digits(tmp + sizeof tmp, gid);
+    size_t nd = (size_t)(tmp + sizeof tmp - d);
+    return (size_t)n == 9 + nd &&
+           memcmp(PyUnicode_1BYTE_DATA(lab) + 9, d, nd) == 0;
+}
+
+/* a and b are equal strings (b may be NULL or not a str): 1, 0, or -1 */
+static int same_text(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    if (!nonempty(b)) {
+        return 0;
+    }
+    int r = PyUnicode_Compare(a, b);
+    if (r == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return r == 0;
+}
+
 /* report._who(gid, name, fn): "greenlet 3 name (function)" */
 static int buf_who(gqp_buf *b, uint64_t gid, PyObject *name, PyObject *fn,
                    PyObject *safe)
@@ -354,23 +439,15 @@ static int buf_who(gqp_buf *b, uint64_t gid, PyObject *name, PyObject *fn,
     BUF_LIT(b, "greenlet ");
     buf_u64(b, gid, 0);
     PyObject *lab = label_of(name, fn);
-    if (nonempty(lab)) {
-        char dflt[48] = "";
-        if (PyUnicode_IS_ASCII(lab) && PyUnicode_GET_LENGTH(lab) > 9 &&
-            memcmp(PyUnicode_1BYTE_DATA(lab), "greenlet-", 9) == 0) {
-            snprintf(dflt, sizeof dflt, "greenlet-%llu",
-                     (unsigned long long)gid);
-        }
-        if (PyUnicode_CompareWithASCIIString(lab, dflt) != 0) {
-            BUF_LIT(b, " ");
-            if (buf_safe(b, lab, 200, safe) < 0) {
-                return -1;
-            }
+    if (nonempty(lab) && !default_name(lab, gid)) {
+        BUF_LIT(b, " ");
+        if (buf_safe(b, lab, 200, safe) < 0) {
+            return -1;
         }
     }
     if (nonempty(fn)) {
-        int same = nonempty(lab) && PyUnicode_Compare(fn, lab) == 0;
-        if (PyErr_Occurred()) {
+        int same = same_text(fn, lab);
+        if (same < 0) {
             return -1;
         }
         if (!same) {
@@ -417,16 +494,9 @@ static gqp_name_ent *names_get(gqp_names_cache *c, uint64_t gid)
     gqp_buf *t = &c->text;
     size_t at = t->n;
     int empty = !known || (!nonempty(name) && !nonempty(fn));
-    /* ("greenlet-N": shown as its id) */
-    if (buf_who(t, gid, empty ? NULL : name, empty ? NULL : fn,
-                c->safe) < 0) {
-        return NULL;
-    }
-    e->who_off = at;
-    e->who_len = t->n - at;
-    at = t->n;
+    PyObject *lab = known ? label_of(name, fn) : NULL;
+    /* a span's greenlet_name and fn_name */
     if (known) {
-        PyObject *lab = label_of(name, fn);
         if (nonempty(lab) && buf_safe(t, lab, 200, c->safe) < 0) {
             return NULL;
         }
@@ -443,6 +513,35 @@ static gqp_name_ent *names_get(gqp_names_cache *c, uint64_t gid)
     }
     e->fn_off = at;
     e->fn_len = t->n - at;
+    /* a greenlet line's text (report._who), from those two: room first,
+     * so that the copies from t to t do not move */
+    buf_grow(t, 32 + e->lab_len + e->fn_len);
+    if (t->failed) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    at = t->n;
+    BUF_LIT(t, "greenlet ");
+    buf_u64(t, gid, 0);
+    if (!empty) {
+        if (nonempty(lab) && !default_name(lab, gid)) {
+            BUF_LIT(t, " ");
+            buf_put(t, t->p + e->lab_off, e->lab_len);
+        }
+        if (nonempty(fn)) {
+            int same = same_text(fn, lab);
+            if (same < 0) {
+                return NULL;
+            }
+            if (!same) {
+                BUF_LIT(t, " (");
+                buf_put(t, t->p + e->fn_off, e->fn_len);
+                BUF_LIT(t, ")");
+            }
+        }
+    }
+    e->who_off = at;
+    e->who_len = t->n - at;
     if (t->failed) {
         PyErr_NoMemory();
         return NULL;
@@ -571,35 +670,46 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         Py_RETURN_NONE;
     }
 
-    /* wait sites, when read_profile gave them (item 13): checked here,
-     * so that the text is not half written when they are not as expected
-     * (None: the caller renders in Python) */
-    PyObject *wait_rows = NULL;
+    /* wait sites, when read_profile gave them (item 13: read_waits'
+     * (records, stats, dropped, events, events dropped), read here as it
+     * is, without a Python row per site): checked here, so that the text
+     * is not half written when they are not as expected (None: the caller
+     * renders in Python) */
+    PyObject *wait_recs = NULL;
+    const char *wait_stats = NULL;
+    Py_ssize_t nw = 0;
     long long wait_dropped = 0;
     if (PyTuple_GET_SIZE(raw) > 13) {
         PyObject *w = PyTuple_GET_ITEM(raw, 13);
-        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3 ||
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 5 ||
             !(PyList_Check(PyTuple_GET_ITEM(w, 0)) ||
-              PyTuple_Check(PyTuple_GET_ITEM(w, 0)))) {
+              PyTuple_Check(PyTuple_GET_ITEM(w, 0))) ||
+            !PyBytes_Check(PyTuple_GET_ITEM(w, 1)) ||
+            PyBytes_GET_SIZE(PyTuple_GET_ITEM(w, 1)) %
+                sizeof(gqp_wait_stat) ||
+            !PyLong_Check(PyTuple_GET_ITEM(w, 2))) {
             Py_RETURN_NONE;
         }
-        wait_rows = PyTuple_GET_ITEM(w, 0);
-        wait_dropped = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 1));
+        wait_recs = PyTuple_GET_ITEM(w, 0);
+        wait_stats = PyBytes_AS_STRING(PyTuple_GET_ITEM(w, 1));
+        wait_dropped = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
         if (wait_dropped < 0) {
             PyErr_Clear();
             Py_RETURN_NONE;
         }
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(wait_rows);
-             i++) {
-            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, i);
-            if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 7 ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 2)) ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 4)) ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 5)) ||
-                !PyLong_Check(PyTuple_GET_ITEM(r, 6)) ||
-                PyLong_AsLongLong(PyTuple_GET_ITEM(r, 5)) < 0 ||
-                PyLong_AsLongLong(PyTuple_GET_ITEM(r, 6)) < 0) {
-                PyErr_Clear();
+        /* (zip(records, stats): the shorter decides) */
+        nw = PyBytes_GET_SIZE(PyTuple_GET_ITEM(w, 1)) /
+             (Py_ssize_t)sizeof(gqp_wait_stat);
+        if (PySequence_Fast_GET_SIZE(wait_recs) < nw) {
+            nw = PySequence_Fast_GET_SIZE(wait_recs);
+        }
+        for (Py_ssize_t i = 0; i < nw; i++) {
+            /* a record: (code, fn, filename, line, stack), or None (the
+             * registry dropped it) */
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_recs, i);
+            if (r != Py_None &&
+                (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 5 ||
+                 !PyLong_Check(PyTuple_GET_ITEM(r, 3)))) {
                 Py_RETURN_NONE;
             }
         }
@@ -612,10 +722,18 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
     size_t bytes = ns * (sizeof(gqp_span) + 2 * sizeof(size_t) + 1) +
                    ng * (sizeof(gqp_render_grow) + 2 * sizeof(size_t) + 1) +
                    16;
-    gqp_buf b = {0};
+    /* (the text and the names' texts start on the stack; the name table
+     * too, up to 64 slots) */
+    char text_array[8192], names_array[2048];
+    gqp_name_ent ent_array[64];
+    gqp_buf b;
+    buf_init(&b, text_array, sizeof text_array);
     gqp_names_cache nc = {0};
+    buf_init(&nc.text, names_array, sizeof names_array);
     PyObject *res = NULL;
-    char *block = PyMem_Malloc(bytes);
+    uint64_t block_array[1024];   /* (8 KB: ~100 spans and greenlets) */
+    char *block = bytes <= sizeof block_array ? (char *)block_array
+                                              : PyMem_Malloc(bytes);
     if (!block) {
         PyErr_NoMemory();
         goto done;
@@ -642,7 +760,14 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
     while (slots < 2 * ids && slots < ((size_t)1 << 24)) {
         slots *= 2;
     }
-    nc.ent = PyMem_Calloc(slots, sizeof *nc.ent);
+    if (slots <= sizeof ent_array / sizeof ent_array[0]) {
+        for (size_t i = 0; i < slots; i++) {
+            ent_array[i].gid = 0;
+        }
+        nc.ent = ent_array;
+    } else {
+        nc.ent = PyMem_Calloc(slots, sizeof *nc.ent);
+    }
     nc.mask = slots - 1;
     nc.names = names;
     nc.safe = name_safe;
@@ -650,7 +775,7 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         PyErr_NoMemory();
         goto done;
     }
-    buf_grow(&b, 1024 + 192 * (ids < 64 ? ids : 64));
+    buf_grow(&b, 1024 + 192 * (ids < 64 ? ids : 64));   /* (one growth) */
 
     /* spans in start order (as recorded, normally: then no sort); the
      * n_show longest of them shown */
@@ -944,20 +1069,16 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             goto done;
         }
     }
-    /* wait sites (read_profile's item 13: (rows, dropped, events), rows
-     * (fn, filename, line, stack, ns, count, greenlets)), as
-     * report.render_waits prints them: the 5 largest, ties in order */
-    if (wait_rows) {
-        Py_ssize_t nw = PySequence_Fast_GET_SIZE(wait_rows);
+    /* wait sites, as report.render_waits prints them: the 5 largest,
+     * ties in order */
+    if (wait_recs) {
         Py_ssize_t top5[5];
         long long top5_ns[5];
         int m = 0;
         for (Py_ssize_t i = 0; i < nw; i++) {
-            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, i);
-            long long wns = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 4));
-            if (wns == -1 && PyErr_Occurred()) {
-                goto done;
-            }
+            gqp_wait_stat st;
+            memcpy(&st, wait_stats + i * sizeof st, sizeof st);
+            long long wns = st.wait_ns;
             int at = m;
             while (at > 0 && top5_ns[at - 1] < wns) {
                 at--;
@@ -984,33 +1105,43 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             BUF_LIT(&b, " sites)");
         }
         for (int k = 0; k < m; k++) {
-            PyObject *r = PySequence_Fast_GET_ITEM(wait_rows, top5[k]);
-            long long line = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 2));
-            long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 5));
-            long long gl = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 6));
-            if (PyErr_Occurred()) {
-                goto done;
+            gqp_wait_stat st;
+            memcpy(&st, wait_stats + top5[k] * sizeof st, sizeof st);
+            PyObject *r = PySequence_Fast_GET_ITEM(wait_recs, top5[k]);
+            PyObject *fn = NULL, *filename = NULL;
+            long long line = 0;
+            if (r != Py_None) {
+                fn = PyTuple_GET_ITEM(r, 1);
+                filename = PyTuple_GET_ITEM(r, 2);
+                line = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 3));
+                if (line == -1 && PyErr_Occurred()) {
+                    goto done;
+                }
             }
             BUF_LIT(&b, "\n  ");
             buf_ms(&b, 1, (double)top5_ns[k] * 1e-9, 10);
             BUF_LIT(&b, " ");
-            buf_u64(&b, (unsigned long long)count, 6);
-            if (count == 1) {
+            buf_u64(&b, (unsigned long long)st.count, 6);
+            if (st.count == 1) {
                 BUF_LIT(&b, " wait  ");
             } else {
                 BUF_LIT(&b, " waits ");
             }
-            buf_u64(&b, (unsigned long long)gl, 4);
-            if (gl == 1) {
+            buf_u64(&b, (unsigned long long)st.greenlets, 4);
+            if (st.greenlets == 1) {
                 BUF_LIT(&b, " greenlet   ");
             } else {
                 BUF_LIT(&b, " greenlets  ");
             }
-            if (buf_safe(&b, PyTuple_GET_ITEM(r, 0), 200, safe) < 0) {
+            /* (a dropped record: "?" and no file, as _collect.wait_sites) */
+            if (fn == NULL) {
+                BUF_LIT(&b, "?");
+            } else if (buf_safe(&b, fn, 200, safe) < 0) {
                 goto done;
             }
             BUF_LIT(&b, " (");
-            if (buf_safe(&b, PyTuple_GET_ITEM(r, 1), 300, safe) < 0) {
+            if (filename != NULL &&
+                buf_safe(&b, filename, 300, safe) < 0) {
                 goto done;
             }
             BUF_LIT(&b, ":");
@@ -1045,10 +1176,14 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         }
     }
 done:
-    PyMem_Free(block);
-    PyMem_Free(b.p);
-    PyMem_Free(nc.ent);
-    PyMem_Free(nc.text.p);
+    if (block != (char *)block_array) {
+        PyMem_Free(block);
+    }
+    buf_free(&b);
+    if (nc.ent != ent_array) {
+        PyMem_Free(nc.ent);
+    }
+    buf_free(&nc.text);
     return res;
 }
 

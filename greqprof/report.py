@@ -270,8 +270,9 @@ def _waits(p):
 
 def _wait_rows(w):
     """read_profile's item 13 (_hooks.c's read_waits: records, stats,
-    dropped, events, events dropped) as the rows the renderers read: ((fn, filename,
-    line, stack, ns, count, greenlets), ...) in table order, and dropped."""
+    dropped, events, events dropped) as the rows the Python renderer
+    reads: ((fn, filename, line, stack, ns, count, greenlets), ...) in
+    table order, and dropped.  (_render.c reads item 13 as it is.)"""
     from ._collect import WAIT_SITE_ROW
     records, stats, dropped = w[0], w[1], w[2]
     rows = []
@@ -281,17 +282,6 @@ def _wait_rows(w):
         _code, fn, filename, line, stack = rec or (None, "?", "", 0, ())
         rows.append((fn, filename, line, stack, ns, count, gl))
     return tuple(rows), dropped
-
-
-def _raw_for_c(raw):
-    """read_profile's rows with the wait sites (item 13) as the rows C's
-    renderer reads: (rows, dropped, events)."""
-    if len(raw) <= 13:
-        return raw
-    try:
-        return raw[:13] + (_wait_rows(raw[13]) + (b"",),)
-    except (TypeError, ValueError):
-        return raw[:13] + (None,)   # (C then declines: Python renders)
 
 
 class _Wait:
@@ -308,8 +298,9 @@ class _Wait:
 
 def _raw_waits(raw):
     """A deferred profile's (wait sites, largest first; waits not
-    recorded) from its rows (read_profile's item 13: (site rows, dropped,
-    events), the layout _collect.wait_sites reads), without the per-event
+    recorded) from its rows (read_profile's item 13: read_waits' (records,
+    stats, dropped, events, events dropped), the layout
+    _collect.wait_sites reads), without the per-event
     records that building every field would make; None when the rows are
     not in that layout."""
     if len(raw) <= 13:
@@ -375,17 +366,18 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
         spans = max_spans
     d = p.__dict__
     loader = d.get("_loader")
-    if loader is not None and _render_rows is not None:
-        if loader[0] is _request_records():
-            # (C writes the wait sites too; the common report has no
-            # section after them: C writes the end line too, saving a copy
-            # of the text)
-            last = not d.get("blocking") and d.get("calls") is None
-            text = _render_rows(d, _raw_for_c(loader[1]), spans, greenlets,
-                                safe, _indent_clean_stack, last, _clean_safe)
-            if text is not None:
-                return text if last else _tail(p, [text], calls_limit,
-                                               waits=False)
+    if loader is not None and _render_rows is not None and \
+            loader[0] is (_records_loader or _request_records()):
+        # (C reads the rows as read_profile gave them, wait sites
+        # included, and writes the wait sites too; the common report has
+        # no section after them: C writes the end line too, saving a copy
+        # of the text)
+        last = not d.get("blocking") and d.get("calls") is None
+        text = _render_rows(d, loader[1], spans, greenlets, safe,
+                            _indent_clean_stack, last, _clean_safe)
+        if text is not None:
+            return text if last else _tail(p, [text], calls_limit,
+                                           waits=False)
     return _render_py(p, spans, calls_limit, greenlets)
 
 

@@ -485,8 +485,20 @@ class RequestProfile:
 
     def report(self, **kw):
         """The text report (``>>> Begin RequestProfile`` ...)."""
-        from .report import render_text
-        return render_text(self, **kw)
+        # (report imports this module: bound on first use; an import
+        # statement here would cost ~2k instructions per report.  The
+        # module, not the function: render_text stays replaceable)
+        return (_report or _bind_report()).render_text(self, **kw)
+
+
+_report = None
+
+
+def _bind_report():
+    global _report
+    from . import report
+    _report = report
+    return report
 
 
 class _Reader:

@@ -494,12 +494,12 @@ def test_c_rendering_equals_python_rendering_on_made_up_rows(seed):
         p.__dict__.pop(k, None)
     p.__dict__["_loader"] = (loader, raw)
     for n, g in ((10, 20), (None, None), (0, 0), (3, 1)):
-        fast = report._render_rows(p.__dict__, report._raw_for_c(raw), n, g, report.safe,
+        fast = report._render_rows(p.__dict__, raw, n, g, report.safe,
                                    report._indent_clean_stack, False,
                                    report._clean_safe)
         slow = report._render_py(p, n, 25, g)
         assert fast + "\n<<< End RequestProfile" == slow
-        assert report._render_rows(p.__dict__, report._raw_for_c(raw), n, g, report.safe,
+        assert report._render_rows(p.__dict__, raw, n, g, report.safe,
                                    report._indent_clean_stack, True,
                                    report._clean_safe) == slow
     if len(raw) > 13 and raw[13][0]:
@@ -565,3 +565,62 @@ def test_rows_the_c_renderer_does_not_know_fall_back_to_python():
                                    report._clean_safe) is None
     assert report._render_rows(p.__dict__, raw[:5], 10, 20, report.safe,
                                report._indent_clean_stack) is None
+
+
+def test_c_renderer_reads_read_waits_layout_as_it_is():
+    """_render.c reads read_profile's item 13 as read_waits gives it
+    (records, stats bytes, dropped, events, events dropped): a record the
+    registry dropped (None), more stats than records (zip), ties; the text
+    equals the Python renderer's, which unpacks the same rows."""
+    from greqprof import report
+    from greqprof._collect import WAIT_SITE_ROW
+    p, loader, raw = _synthetic(2, 20, 4)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    records = [(None, "slow_io", "/srv/a.py", 7, ()), None,
+               (None, "tie", "/srv/b.py", -3, ()),
+               (None, "tie2", "/srv/\u202eb.py", 9, ()),
+               (None, None, "/srv/c.py", 1, ())]
+    rows = [(1, 9000000, 4, 2), (2, 12000000, 1, 1), (3, 3000000, 2, 1),
+            (4, 3000000, 1, 3), (5, 1000, 1, 1), (6, 99000000, 5, 5)]
+    stats = b"".join(WAIT_SITE_ROW.pack(k, ns, c, g, 0, 0)
+                     for k, ns, c, g in rows)   # (6 stats, 5 records)
+    raw = raw[:13] + ((records, stats, 2, b"", 0),)
+    p.__dict__["_loader"] = (loader, raw)
+    fast = report._render_rows(p.__dict__, raw, 10, 20, report.safe,
+                               report._indent_clean_stack, True,
+                               report._clean_safe)
+    assert fast == report._render_py(p, 10, 25, 20)
+    i = fast.index("Waited at: (top 5 of 5 sites)")
+    lines = fast[i:].split("\n")
+    assert lines[1].split()[6:] == ["?", "(:0)"]      # (dropped record)
+    assert lines[2].split()[6:] == ["slow_io", "(/srv/a.py:7)"]
+    assert lines[-2] == ("  (2 waits at further sites not recorded: the "
+                         "table of sites was full)")
+    assert "\u202e" not in fast
+    # layouts it does not know: None (the caller renders in Python)
+    for bad in ((records, stats[:-1], 0, b"", 0),
+                (records, stats, -1, b"", 0),
+                ([(None, "f", "x.py", "one", ())], stats, 0, b"", 0),
+                ([("short",)], stats, 0, b"", 0),
+                (records, list(rows), 0, b"", 0),
+                (records, stats, 0, b"")):
+        assert report._render_rows(p.__dict__, raw[:13] + (bad,), 10, 20,
+                                   report.safe, report._indent_clean_stack,
+                                   True, report._clean_safe) is None
+
+
+@pytest.mark.parametrize("wall", [float("inf"), 1e20, -1e20, -0.0004,
+                                  0.00005, 2.5e-4, 1e10])
+def test_c_renderer_prints_odd_times_as_python_does(wall):
+    """A hand-set wall time far outside a request's (printf's path in C),
+    negative, or on a rounding boundary: the C text is Python's."""
+    from greqprof import report
+    p, loader, raw = _synthetic(5, 12, 3)
+    for k in RequestProfile.DEFERRED:
+        p.__dict__.pop(k, None)
+    p.__dict__["_loader"] = (loader, raw)
+    p.__dict__["wall"] = wall
+    text = p.report()
+    assert "  Elapsed wall time: %s\n" % report._ms(wall) in text
+    assert text == report._render_py(p, 10, 25, 20)
