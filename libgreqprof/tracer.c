@@ -13,6 +13,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The event paths stay as they were without a session profile: its code
+ * is kept out of line, the shared part inlined. */
+#if defined(__GNUC__) || defined(__clang__)
+#define GQP__NOINLINE __attribute__((noinline))
+#define GQP__ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define GQP__NOINLINE
+#define GQP__ALWAYS_INLINE inline
+#endif
+
 typedef struct frame {
     uint32_t func;  /* index in the profile's function table, or NOIDX */
     uint32_t edge;  /* index of the caller->func edge, or NOIDX */
@@ -667,6 +677,16 @@ static void history_push(gqp_tracer *t, const gqp_span *s, uint64_t serial)
     h->end = s->end_ns;
 }
 
+/* The session profile's copy of g's span s (out of line: rare). */
+static GQP__NOINLINE void session_span(gqp_tracer *t, gqp__greenlet *g,
+                                       const gqp_span *s)
+{
+    if (!t->session->closed) {
+        bool dropped; /* (counted in the session profile) */
+        gqp__profile_add_span(t->session, s, &dropped, &g->sgstat_hint);
+    }
+}
+
 /* Ends g's running span at `now`.  Returns GQP_EV_* flags. */
 static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
                       uint32_t flags)
@@ -698,10 +718,8 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
             ev |= GQP_EV_DROPPED;
         }
     }
-    gqp_profile *ss = t->session;
-    if (ss && ss != p && !ss->closed) {
-        bool dropped; /* (counted in the session profile) */
-        gqp__profile_add_span(ss, &s, &dropped, &g->sgstat_hint);
+    if (t->session && t->session != p) {
+        session_span(t, g, &s);
     }
     history_push(t, &s, p ? p->serial : 0);
     if (p != t->last_profile) {
@@ -828,8 +846,9 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
     return ev;
 }
 
-static bool push_frame(gqp__greenlet *g, uint32_t func, uint32_t edge,
-                       uint32_t slow, int64_t start)
+static GQP__ALWAYS_INLINE bool push_frame(gqp__greenlet *g, uint32_t func,
+                                          uint32_t edge, uint32_t slow,
+                                          int64_t start)
 {
     if (g->depth == g->alloc) {
         uint32_t n = g->alloc ? g->alloc * 2 : 16;
@@ -933,13 +952,14 @@ static gqp__greenlet *session_stack(gqp_tracer *t, gqp__greenlet *g,
     return sh;
 }
 
-static int call_in(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
-                   uint64_t func, int64_t start);
+static GQP__ALWAYS_INLINE int call_in(gqp_tracer *t, gqp__greenlet *g,
+                                      gqp_profile *p, uint64_t func,
+                                      int64_t start);
 
 /* gqp_tracer_call with a session profile: the call goes to g's profile
  * (if any) and to the session's on its own stack. */
-static int call_with_session(gqp_tracer *t, gqp__greenlet *g,
-                             gqp_profile *p, uint64_t func)
+static GQP__NOINLINE int call_with_session(gqp_tracer *t, gqp__greenlet *g,
+                                           gqp_profile *p, uint64_t func)
 {
     int64_t start = greenlet_clock(t, g, wall_now(t));
     int ev = p ? call_in(t, g, p, func, start) : 0;
@@ -973,8 +993,9 @@ GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
 
 /* Pushes func on stack g (g's own, or its session stack) for profile p,
  * entered at greenlet clock `start`. */
-static inline int call_in(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
-                          uint64_t func, int64_t start)
+static GQP__ALWAYS_INLINE int call_in(gqp_tracer *t, gqp__greenlet *g,
+                                      gqp_profile *p, uint64_t func,
+                                      int64_t start)
 {
     p->has_data = true;
     if (g->lost || g->depth >= t->max_depth) {
@@ -1080,8 +1101,9 @@ static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
 
 /* gqp_tracer_return with a session profile: pops g's stack and its
  * session stack, each of which may have lost or missed the frame. */
-static int return_with_session(gqp_tracer *t, gqp__greenlet *g,
-                               gqp_profile *p)
+static GQP__NOINLINE int return_with_session(gqp_tracer *t,
+                                             gqp__greenlet *g,
+                                             gqp_profile *p)
 {
     bool timed = false;
     int64_t gnow = 0;
