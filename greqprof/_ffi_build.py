@@ -102,6 +102,7 @@ int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param, int64_t value);
 int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
                    int64_t *value);
 int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p);
+int gqp_tracer_set_session(gqp_tracer *t, gqp_profile *p);
 int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet, gqp_profile *p);
 int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
                                  gqp_profile *p);

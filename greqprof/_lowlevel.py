@@ -230,6 +230,13 @@ class RawTracer:
             self.ptr, profile.ptr if profile is not None else ffi.NULL),
             "gqp_tracer_set_default")
 
+    def set_session(self, profile):
+        """profile (None: none) also receives the spans and calls of the
+        greenlets attached to other profiles: a whole-thread view."""
+        _check(lib.gqp_tracer_set_session(
+            self.ptr, profile.ptr if profile is not None else ffi.NULL),
+            "gqp_tracer_set_session")
+
     def install(self, calls, builtins, inherit, stacks, calls_later=False):
         """Installs the C hooks in the calling thread.  With calls_later
         the call hook waits for set_calls(True)."""

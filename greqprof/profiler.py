@@ -80,15 +80,19 @@ class _Session:
     def share(self, eng):
         """From now on this session is recorded through eng's tracer (the
         thread's ProfilingMiddleware): every greenlet outside sampled
-        requests goes to this session's profile.  The tracer has one
-        default profile: a second Profiler in the thread is refused, as
-        it is without a middleware."""
+        requests goes to this session's profile (the tracer's default), and
+        the greenlets of sampled requests go to it too (the tracer's
+        session profile) while their requests' profiles get what they
+        would without it.  A tracer has one default and one session
+        profile: a second Profiler in the thread is refused, as it is
+        without a middleware."""
         if getattr(eng, "session", None) is not None:
             raise ProfilerStateError(
                 "cannot start profiling: another greqprof profiler is "
                 "already running in this thread")
         eng.session = self
         eng.tracer.set_default(self.profile)
+        eng.tracer.set_session(self.profile)
         eng.profile_opened()
         if self.calls:
             eng.acquire_calls()
@@ -105,6 +109,7 @@ class _Session:
         if getattr(eng, "session", None) is self:
             eng.session = None
         if not eng.abandoned:
+            self.tracer.set_session(None)
             self.tracer.set_default(None)
             if calls:
                 eng.release_calls()
@@ -172,10 +177,11 @@ class Profiler:
 
     def _join_engine(self, eng):
         """This thread serves a ProfilingMiddleware, whose hooks are in: the
-        session shares its tracer.  Every greenlet of the thread outside a
-        sampled request (unsampled requests included) is recorded into this
-        session's profile (the tracer's default), while sampled requests
-        keep their own profiles.  The tracer's settings are the
+        session shares its tracer.  Every greenlet of the thread is
+        recorded into this session's profile: those outside sampled
+        requests as its default profile, those of sampled requests as its
+        session profile, while the sampled requests' own profiles go on
+        unchanged.  The tracer's settings are the
         middleware's (its clock; builtins and stack_threshold do not
         apply); the CPU window is narrowed to 100 us meanwhile."""
         profile = RawProfile(max_spans=self.max_spans, keep="last")

@@ -13,6 +13,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The event paths stay as they were without a session profile: its code
+ * is kept out of line, the shared part inlined. */
+#if defined(__GNUC__) || defined(__clang__)
+#define GQP__NOINLINE __attribute__((noinline))
+#define GQP__ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define GQP__NOINLINE
+#define GQP__ALWAYS_INLINE inline
+#endif
+
 typedef struct frame {
     uint32_t func;  /* index in the profile's function table, or NOIDX */
     uint32_t edge;  /* index of the caller->func edge, or NOIDX */
@@ -48,6 +58,13 @@ typedef struct gqp__greenlet {
     uint64_t wait_gen;
     gqp__map rec;           /* active count per func / edge (recursion) */
     struct gqp__greenlet *next_free;
+    /* The session profile's view (gqp_tracer_set_session) while g's data
+     * goes to another profile: a second call stack, since frames hold
+     * indexes into one profile's tables.  Only its stack fields (stack,
+     * depth, alloc, lost, rec, stack_serial) and id are used.  Allocated
+     * at g's first call recorded so, freed with g. */
+    struct gqp__greenlet *shadow;
+    uint32_t sgstat_hint;   /* index of its totals in the session profile */
 } gqp__greenlet;
 
 typedef struct hist_entry {
@@ -83,6 +100,7 @@ struct gqp_tracer {
     gqp__greenlet *pool;
     size_t pool_len;
     gqp_profile *deflt;
+    gqp_profile *session;   /* also receives every other profile's data */
 
     /* CPU estimator: L is the estimated thread CPU clock. */
     bool est_init;
@@ -188,8 +206,20 @@ static void set_spawn(gqp__greenlet *g, gqp_profile *p)
     g->spawn = p;
 }
 
+static void shadow_free(gqp__greenlet *g)
+{
+    gqp__greenlet *sh = g->shadow;
+    if (sh) {
+        gqp__free(sh->stack);
+        gqp__map_free(&sh->rec);
+        gqp__free(sh);
+        g->shadow = NULL;
+    }
+}
+
 static void greenlet_release(gqp__greenlet *g)
 {
+    shadow_free(g);
     set_profile(g, NULL);
     set_spawn(g, NULL);
     gqp__free(g->stack);
@@ -218,6 +248,7 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
     }
     gqp__map_free(&t->tmap);
     gqp_profile_free(t->deflt);
+    gqp_profile_free(t->session);
     gqp_profile_free(t->last_profile);
     gqp__free(t->hist);
     t->magic = 0;
@@ -332,6 +363,32 @@ GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p)
     }
     gqp_profile_free(t->deflt);
     t->deflt = p;
+    return GQP_OK;
+}
+
+static void shadow_reset(gqp__greenlet *g, gqp_profile *s);
+
+GQP_API int gqp_tracer_set_session(gqp_tracer *t, gqp_profile *p)
+{
+    CHECK_TRACER(t);
+    if (p && !gqp__profile_live(p)) {
+        return GQP_EHANDLE;
+    }
+    if (p == t->session) {
+        return GQP_OK;
+    }
+    /* The session stacks hold the old session's indexes. */
+    for (size_t i = 0; i < t->gmap.cap; i++) {
+        if (t->gmap.keys[i]) {
+            shadow_reset((gqp__greenlet *)(uintptr_t)t->gmap.vals[i],
+                         t->session);
+        }
+    }
+    if (p) {
+        gqp_profile_retain(p);
+    }
+    gqp_profile_free(t->session);
+    t->session = p;
     return GQP_OK;
 }
 
@@ -466,6 +523,8 @@ static gqp__greenlet *create(gqp_tracer *t, uint64_t key)
 /* Gives back the owner counts of g's frames without recording them (the
  * frames are being discarded), when the profile they index is still here:
  * otherwise g would look recursive the next time it calls them. */
+static void discard_in(gqp__greenlet *g, gqp_profile *p);
+
 static void discard_frames(gqp_tracer *t, gqp__greenlet *g)
 {
     gqp_profile *p = NULL;
@@ -474,9 +533,14 @@ static void discard_frames(gqp_tracer *t, gqp__greenlet *g)
     } else if (t->deflt && t->deflt->generation == g->stack_serial) {
         p = t->deflt;
     }
-    if (!p) {
-        return;
+    if (p) {
+        discard_in(g, p);
     }
+}
+
+/* discard_frames() for a stack whose frames index p. */
+static void discard_in(gqp__greenlet *g, gqp_profile *p)
+{
     for (uint32_t i = 0; i < g->depth; i++) {
         const frame *f = &g->stack[i];
         if (f->func != GQP__NOIDX && !(f->slow & FRAME_SLOW_FUNC)) {
@@ -500,6 +564,20 @@ static void reset_stack(gqp__greenlet *g, uint64_t serial)
     g->lost = 0;
     gqp__map_clear(&g->rec);
     g->stack_serial = serial;
+}
+
+/* Empties g's session stack; its frames' owner counts go back to s when
+ * they index it (s: the session they were recorded for, may be NULL). */
+static void shadow_reset(gqp__greenlet *g, gqp_profile *s)
+{
+    gqp__greenlet *sh = g->shadow;
+    if (!sh) {
+        return;
+    }
+    if (sh->depth && s && s->generation == sh->stack_serial) {
+        discard_in(sh, s);
+    }
+    reset_stack(sh, 0); /* (0 is no profile's generation) */
 }
 
 static void destroy(gqp_tracer *t, gqp__greenlet *g)
@@ -526,6 +604,7 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
     if (t->cur == g) {
         t->cur = NULL;
     }
+    shadow_free(g);
     set_profile(g, NULL);
     set_spawn(g, NULL);
     gqp__free(g->stack);
@@ -570,6 +649,10 @@ static gqp_profile *effective_slow(gqp_tracer *t, gqp__greenlet *g)
             discard_frames(t, g);
         }
         reset_stack(g, gen);
+        /* Routed elsewhere (its profile closed, the default changed): the
+         * session stack restarts too, so that it and the main stack never
+         * both hold frames of the session profile. */
+        shadow_reset(g, t->session);
     }
     return p;
 }
@@ -592,6 +675,16 @@ static void history_push(gqp_tracer *t, const gqp_span *s, uint64_t serial)
     h->serial = serial;
     h->start = s->start_ns;
     h->end = s->end_ns;
+}
+
+/* The session profile's copy of g's span s (out of line: rare). */
+static GQP__NOINLINE void session_span(gqp_tracer *t, gqp__greenlet *g,
+                                       const gqp_span *s)
+{
+    if (!t->session->closed) {
+        bool dropped; /* (counted in the session profile) */
+        gqp__profile_add_span(t->session, s, &dropped, &g->sgstat_hint);
+    }
 }
 
 /* Ends g's running span at `now`.  Returns GQP_EV_* flags. */
@@ -624,6 +717,9 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
         if (dropped) {
             ev |= GQP_EV_DROPPED;
         }
+    }
+    if (t->session && t->session != p) {
+        session_span(t, g, &s);
     }
     history_push(t, &s, p ? p->serial : 0);
     if (p != t->last_profile) {
@@ -690,6 +786,8 @@ static inline int64_t span_clock(gqp_tracer *t, int64_t now)
 /* Pops every frame of g into its profile at greenlet clock `gnow`. */
 static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
                    int64_t gnow);
+static gqp__greenlet *session_stack(gqp_tracer *t, gqp__greenlet *g,
+                                    gqp_profile *p, gqp_profile **sp);
 
 /* ---- events ----------------------------------------------------------- */
 
@@ -715,6 +813,12 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
             gqp_profile *p = effective(t, g);
             if (p && g->depth) {
                 unwind(t, g, p, gclock_paused(t, g, now));
+            }
+            gqp_profile *s;
+            gqp__greenlet *sh = g->shadow ? session_stack(t, g, p, &s)
+                                          : NULL;
+            if (sh && sh->depth) {
+                unwind(t, sh, s, gclock_paused(t, g, now));
             }
             destroy(t, g);
         } else {
@@ -742,8 +846,9 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
     return ev;
 }
 
-static bool push_frame(gqp__greenlet *g, uint32_t func, uint32_t edge,
-                       uint32_t slow, int64_t start)
+static GQP__ALWAYS_INLINE bool push_frame(gqp__greenlet *g, uint32_t func,
+                                          uint32_t edge, uint32_t slow,
+                                          int64_t start)
 {
     if (g->depth == g->alloc) {
         uint32_t n = g->alloc ? g->alloc * 2 : 16;
@@ -818,6 +923,54 @@ static inline bool leave(gqp__greenlet *g, gqp__active *a, uint64_t rkey,
     return cnt && *cnt > 0 && --*cnt == 0;
 }
 
+/* The session stack of g while g's data goes to p, with the session
+ * profile in *sp; NULL when there is no session or p is it. */
+static gqp__greenlet *session_stack(gqp_tracer *t, gqp__greenlet *g,
+                                    gqp_profile *p, gqp_profile **sp)
+{
+    gqp_profile *s = t->session;
+    if (!s || s == p || s->closed) {
+        return NULL;
+    }
+    gqp__greenlet *sh = g->shadow;
+    if (!sh) {
+        sh = gqp__calloc(1, sizeof *sh);
+        if (!sh) {
+            s->calls.dropped++;
+            return NULL;
+        }
+        sh->key = g->key;
+        sh->id = g->id; /* (owner of the session's recursion slots) */
+        gqp__map_init(&sh->rec);
+        sh->stack_serial = s->generation;
+        g->shadow = sh;
+    } else if (sh->stack_serial != s->generation) {
+        /* The session profile was cleared: its tables are new. */
+        reset_stack(sh, s->generation);
+    }
+    *sp = s;
+    return sh;
+}
+
+static GQP__ALWAYS_INLINE int call_in(gqp_tracer *t, gqp__greenlet *g,
+                                      gqp_profile *p, uint64_t func,
+                                      int64_t start);
+
+/* gqp_tracer_call with a session profile: the call goes to g's profile
+ * (if any) and to the session's on its own stack. */
+static GQP__NOINLINE int call_with_session(gqp_tracer *t, gqp__greenlet *g,
+                                           gqp_profile *p, uint64_t func)
+{
+    int64_t start = greenlet_clock(t, g, wall_now(t));
+    int ev = p ? call_in(t, g, p, func, start) : 0;
+    gqp_profile *s;
+    gqp__greenlet *sh = session_stack(t, g, p, &s);
+    if (sh) {
+        ev |= call_in(t, sh, s, func, start);
+    }
+    return ev;
+}
+
 GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
 {
     CHECK_TRACER(t);
@@ -829,10 +982,21 @@ GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
         return 0;
     }
     gqp_profile *p = effective(t, g);
+    if (t->session) {
+        return call_with_session(t, g, p, func);
+    }
     if (!p) {
         return 0;
     }
-    int64_t start = greenlet_clock(t, g, wall_now(t));
+    return call_in(t, g, p, func, greenlet_clock(t, g, wall_now(t)));
+}
+
+/* Pushes func on stack g (g's own, or its session stack) for profile p,
+ * entered at greenlet clock `start`. */
+static GQP__ALWAYS_INLINE int call_in(gqp_tracer *t, gqp__greenlet *g,
+                                      gqp_profile *p, uint64_t func,
+                                      int64_t start)
+{
     p->has_data = true;
     if (g->lost || g->depth >= t->max_depth) {
         g->lost++;
@@ -935,6 +1099,38 @@ static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
     }
 }
 
+/* gqp_tracer_return with a session profile: pops g's stack and its
+ * session stack, each of which may have lost or missed the frame. */
+static GQP__NOINLINE int return_with_session(gqp_tracer *t,
+                                             gqp__greenlet *g,
+                                             gqp_profile *p)
+{
+    bool timed = false;
+    int64_t gnow = 0;
+    if (p) {
+        if (g->lost) {
+            g->lost--;
+        } else if (g->depth) {
+            gnow = greenlet_clock(t, g, wall_now(t));
+            timed = true;
+            pop_frame(g, p, gnow);
+        }
+    }
+    gqp_profile *s;
+    gqp__greenlet *sh = session_stack(t, g, p, &s);
+    if (sh) {
+        if (sh->lost) {
+            sh->lost--;
+        } else if (sh->depth) {
+            if (!timed) {
+                gnow = greenlet_clock(t, g, wall_now(t));
+            }
+            pop_frame(sh, s, gnow);
+        }
+    }
+    return 0;
+}
+
 GQP_API int gqp_tracer_return(gqp_tracer *t)
 {
     CHECK_TRACER(t);
@@ -943,6 +1139,9 @@ GQP_API int gqp_tracer_return(gqp_tracer *t)
         return 0;
     }
     gqp_profile *p = effective(t, g);
+    if (t->session) {
+        return return_with_session(t, g, p);
+    }
     if (!p) {
         return 0;
     }
@@ -985,8 +1184,15 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         int64_t now = wall_now(t);
         int64_t L = span_clock(t, now);
         gqp_profile *old = effective(t, g);
+        int64_t gnow = gclock_at(t, g, now, L);
         if (old && g->depth) {
-            unwind(t, g, old, gclock_at(t, g, now, L));
+            unwind(t, g, old, gnow);
+        }
+        gqp__greenlet *sh = g->shadow;
+        gqp_profile *s = t->session;
+        if (sh && sh->depth && s && !s->closed &&
+            s->generation == sh->stack_serial) {
+            unwind(t, sh, s, gnow); /* the session sees the same split */
         }
         ev = close_span(t, g, now, L, GQP_SPAN_SPLIT);
         start_span(t, g, now, L);
@@ -995,6 +1201,7 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
     if (g->depth) {
         discard_frames(t, g); /* a paused greenlet's frames */
     }
+    shadow_reset(g, t->session);
     set_profile(g, p);
     set_spawn(g, NULL);
     gqp_profile *eff = effective(t, g);
@@ -1196,6 +1403,15 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags)
             unwind(t, g, p, gclock_paused(t, g, now));
         }
         reset_stack(g, g->stack_serial);
+        gqp__greenlet *sh = g->shadow;
+        gqp_profile *s = t->session;
+        if (sh && sh->depth && s && !s->closed &&
+            s->generation == sh->stack_serial) {
+            unwind(t, sh, s, gclock_paused(t, g, now));
+        }
+        if (sh) {
+            reset_stack(sh, sh->stack_serial);
+        }
     }
     t->cur = NULL;
     atomic_store_explicit(&t->running_id, 0, memory_order_relaxed);

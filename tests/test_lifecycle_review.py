@@ -538,13 +538,33 @@ def test_a_body_closed_in_another_thread_detaches_its_greenlet(serve):
     wait_for(lambda: s.mw._open == 0, what="the slot back")
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation (README): a "
-                   "Profiler sharing a middleware thread does not get the "
-                   "sampled requests' spans and calls")
+def _check_profiler_sees_the_requests(s, prof, paths, name):
+    """The Profiler has each sampled request's calls and spans, and each
+    request profile has its own calls exactly once, as without it."""
+    assert {f.name: f.ncall for f in prof.func_stats()}.get(name) == \
+        len(paths)
+    prof_spans = {}
+    for sp in prof.spans():
+        prof_spans.setdefault(sp.greenlet_id, []).append(sp)
+    for path in paths:
+        p = s.profile_for(path)
+        assert func_named(p, name).ncall == 1
+        assert p.spans
+        # every span of the request is in the Profiler's view too (the
+        # two profiles' epoch origins may differ by rounding)
+        for sp in p.spans:
+            assert any(abs(o.start - sp.start) < 1e-5 and
+                       abs(o.wall - sp.wall) < 1e-9
+                       for o in prof_spans.get(sp.greenlet_id, ())), \
+                (path, sp)
+    assert s.mw.stats["errors"] == 0
+
+
 def test_a_profiler_in_a_middleware_thread_sees_sampled_requests(serve):
     """p11: issue 14 asks that a Profiler started in a thread serving the
     middleware get the whole thread's data while per-request profiles go
-    on; at pct=1.0 it sees none of the app's work."""
+    on; at pct=1.0 it saw none of the app's work (a strict xfail before
+    gqp_tracer_set_session)."""
     app_work = make_function("app_work_of_a_sampled_request")
 
     def app(environ, start_response):
@@ -552,7 +572,7 @@ def test_a_profiler_in_a_middleware_thread_sees_sampled_requests(serve):
         start_response("200 OK", [("Content-Length", "2")])
         return [b"ok"]
 
-    s = serve(app, pct=1.0, linger=0)
+    s = serve(app, pct=1.0, linger=0, calls=True)
     assert s.get("/warm").status == 200
     prof = greqprof.Profiler().start()
     try:
@@ -561,5 +581,39 @@ def test_a_profiler_in_a_middleware_thread_sees_sampled_requests(serve):
     finally:
         prof.stop()
     s.wait_profiles(4)
+    _check_profiler_sees_the_requests(
+        s, prof, ["/x0", "/x1", "/x2"], "app_work_of_a_sampled_request")
+    # after stop() the requests go on being profiled, the Profiler is done
+    assert s.get("/after").status == 200
+    assert func_named(s.profile_for("/after"),
+                      "app_work_of_a_sampled_request").ncall == 1
     assert {f.name: f.ncall for f in prof.func_stats()}.get(
         "app_work_of_a_sampled_request") == 3
+
+
+def test_a_middleware_in_a_profiler_thread_gives_it_sampled_requests(serve):
+    """The reverse: a Profiler runs first, then the middleware serves its
+    first requests in that thread (its engine takes the hooks over and
+    the Profiler's session joins it): the Profiler gets the sampled
+    requests' work too, and the work outside them."""
+    app_work = make_function("app_work_under_a_running_profiler")
+    outside = make_function("outside_work_under_a_running_profiler")
+
+    def app(environ, start_response):
+        app_work()
+        start_response("200 OK", [("Content-Length", "2")])
+        return [b"ok"]
+
+    prof = greqprof.Profiler().start()
+    try:
+        s = serve(app, pct=1.0, linger=0, calls=True)
+        for i in range(3):
+            assert s.get("/y%d" % i).status == 200
+        gevent.spawn(outside).join()
+    finally:
+        prof.stop()
+    s.wait_profiles(3)
+    _check_profiler_sees_the_requests(
+        s, prof, ["/y0", "/y1", "/y2"], "app_work_under_a_running_profiler")
+    assert {f.name: f.ncall for f in prof.func_stats()}.get(
+        "outside_work_under_a_running_profiler") == 1

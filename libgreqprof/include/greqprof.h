@@ -80,7 +80,7 @@ extern "C" {
 
 /* ---- version ---------------------------------------------------------- */
 #define GQP_VERSION_MAJOR 0
-#define GQP_VERSION_MINOR 2
+#define GQP_VERSION_MINOR 3
 #define GQP_VERSION_PATCH 0
 #define GQP_VERSION_NUMBER \
     (GQP_VERSION_MAJOR * 10000 + GQP_VERSION_MINOR * 100 + GQP_VERSION_PATCH)
@@ -384,6 +384,20 @@ GQP_API int gqp_tracer_set_clocks(gqp_tracer *t, gqp_clock_fn wall,
 /* Profile for greenlets not attached to another one (NULL: record nothing
  * for them).  Takes a reference. */
 GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p);
+
+/* A profile that receives the spans and calls of every greenlet of the
+ * tracer, also of those whose data goes to another profile (attached to
+ * one) or to none: a whole-thread view kept while per-greenlet profiles go
+ * on, which see exactly what they would without it.  A greenlet whose
+ * data goes to the session profile itself is recorded there once.  Calls
+ * of greenlets routed elsewhere are tracked on a second call stack per
+ * greenlet (allocated at its first such call, freed with it; same
+ * GQP_TRACER_MAX_DEPTH); at an attach both stacks are split alike.  Waits,
+ * span tags and greenlet names stay with the greenlet's own profile.
+ * NULL: none (the default).  Takes a reference; may be changed at any
+ * time (the session stacks then start afresh).  Costs nothing per event
+ * while unset beyond a test.  (since 0.3) */
+GQP_API int gqp_tracer_set_session(gqp_tracer *t, gqp_profile *p);
 
 /* Events.  `from` may be 0 for "nothing was running" (the first event, or
  * the first after a flush): the target's span then has GQP_SPAN_CONTINUED

@@ -84,7 +84,8 @@ enum {
     OP_SPAWN = 22,      /* t, key, profsel                                 */
     OP_FAILALLOC = 23,  /* n: fail the n%32+1-th allocation from now       */
     OP_WAIT_AT = 24,    /* t, key, site(func table)                        */
-    OP__COUNT = 25
+    OP_SESSION = 25,    /* t, profsel                                      */
+    OP__COUNT = 26
 };
 
 typedef struct fake_clock {
@@ -820,6 +821,12 @@ static void run_op(fz *z, uint8_t op)
         p = pick_prof(z, NULL);
         rc = gqp_tracer_set_default(z->t[ti], p);
         CHECK(rc == GQP_ESTATE || OK_OR_OOM(z, rc), "set_default = %d", rc);
+        break;
+    case OP_SESSION:
+        ti = pick_tracer(z);
+        p = pick_prof(z, NULL);
+        rc = gqp_tracer_set_session(z->t[ti], p);
+        CHECK(OK_OR_OOM(z, rc), "set_session = %d", rc);
         break;
     case OP_NAME:
         op_name(z);

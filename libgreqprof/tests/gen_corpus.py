@@ -19,7 +19,7 @@ OPS = [
     "SWITCH", "CALL", "RETURN", "RUN", "IDLE", "ATTACH", "INHERIT", "CLOSE",
     "CLEAR", "FLUSH", "FORGET", "TSET", "PSET", "DEFAULT", "NAME", "TAG",
     "WAITED", "NEWPROF", "RETAIN", "NEWTRACER", "CHECK", "CLOCKS", "SPAWN",
-    "FAILALLOC", "WAIT_AT",
+    "FAILALLOC", "WAIT_AT", "SESSION",
 ]
 OP = {name: i for i, name in enumerate(OPS)}
 
@@ -366,13 +366,29 @@ def wait_sites():
     return p.op("CHECK")
 
 
+def session():
+    """A session profile beside the default and attached profiles: calls
+    open across attaches, detaches, closes, clears, deaths, a session
+    replaced and unset, and a flush."""
+    p = Prog(SET_CPU_MODE | CPU_EXACT)
+    p.op("NEWPROF", 1, 3, 0, 0).op("NEWPROF", 2, 3, 0, 0)
+    p.op("DEFAULT", 0, 0).op("SESSION", 0, 0)
+    p.sw(0).call(1).attach(0, 1).call(2).call(2).run(3).sw(1).call(3)
+    p.sw(0).ret().attach(0, NULL_PROF).ret().call(4).op("CLOSE", 1)
+    p.sw(1).ret().sw(0).attach(0, 2).call(5).op("CLEAR", 0).run(2).ret()
+    p.op("SESSION", 0, 2).call(1).op("SESSION", 0, 1).ret()
+    p.sw(1, dead=True).op("SESSION", 0, NULL_PROF).call(2).op("FLUSH", 0)
+    return p.op("CHECK")
+
+
 def random_prog(seed, nops):
     rnd = random.Random(seed)
     p = Prog(rnd.randrange(256))
     for _ in range(nops):
         op = rnd.choices(range(len(OPS)),
                          weights=[20, 12, 10, 8, 4, 3, 2, 1, 1, 2, 1, 1, 1,
-                                  1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 2])[0]
+                                  1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 2,
+                                  1])[0]
         p.b.append(op)
         for _ in range(rnd.randrange(7)):
             p.b.append(rnd.randrange(40) if rnd.random() < 0.8
@@ -385,7 +401,7 @@ SCENARIOS = [
     close_attached, clear_open_frames, span_caps, depth_overflow,
     dead_key_reuse, huge_keys, waited, tracer_params, two_tracers, names,
     tags, forget_and_mismatch, null_slots, profile_params, estimate_windows,
-    spawn_and_dead_parents, alloc_failures, wait_sites,
+    spawn_and_dead_parents, alloc_failures, wait_sites, session,
 ]
 
 

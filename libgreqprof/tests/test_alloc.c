@@ -148,6 +148,8 @@ static int scenario(void)
     ASSERT_OR_ENOMEM(COUNT(gqp_tracer_set(t, GQP_TRACER_HISTORY, 16)),
                      GQP_OK);
     ASSERT_OR_ENOMEM(COUNT(gqp_tracer_set_default(t, p)), GQP_OK);
+    /* (p also sees q's greenlets: their session stacks are allocated) */
+    ASSERT_OK(gqp_tracer_set_session(t, p));
 
     uint64_t prev = 0;
     for (uint64_t k = 1; k <= 40; k++) {

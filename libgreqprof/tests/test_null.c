@@ -94,6 +94,8 @@ TEST(null_tracer_functions)
               GQP_EINVAL);
     ASSERT_RC(gqp_tracer_set_default(NULL, p), GQP_EINVAL);
     ASSERT_OK(gqp_tracer_set_default(t, NULL));
+    ASSERT_RC(gqp_tracer_set_session(NULL, p), GQP_EINVAL);
+    ASSERT_OK(gqp_tracer_set_session(t, NULL));
     ASSERT_RC(gqp_tracer_switch(NULL, 0, KG, 0), GQP_EINVAL);
     ASSERT_RC(gqp_tracer_call(NULL, FA), GQP_EINVAL);
     ASSERT_RC(gqp_tracer_return(NULL), GQP_EINVAL);
