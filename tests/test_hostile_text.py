@@ -24,6 +24,7 @@ import types
 import gevent
 import pytest
 
+from conftest import CHILD_CWD, child_env
 from greqprof import RequestProfile
 
 from test_middleware import http, wait_for, serve  # noqa: F401
@@ -199,10 +200,12 @@ def test_text_report_json_files_inspector_and_view(serve, utf8_log, tmp_path):
             dest = tmp_path / ("view." + fmt)
             r = subprocess.run([sys.executable, "-m", "greqprof", "view",
                                 str(f), "-f", fmt, "-o", str(dest)],
-                               capture_output=True, timeout=60)
+                               capture_output=True, timeout=60,
+                               cwd=CHILD_CWD, env=child_env())
             assert r.returncode == 0, (fmt, r.stderr.decode())
         r = subprocess.run([sys.executable, "-m", "greqprof", "view",
-                            str(f)], capture_output=True, timeout=60)
+                            str(f)], capture_output=True, timeout=60,
+                           cwd=CHILD_CWD, env=child_env())
         assert r.returncode == 0, r.stderr.decode()
         r.stdout.decode("utf-8")
 

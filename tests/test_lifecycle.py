@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from conftest import CHILD_CWD, child_env
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,13 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_python(code, timeout=60, env=None, **kw):
     """Runs code in a fresh interpreter of this venv; the CompletedProcess."""
-    full_env = dict(os.environ)
-    full_env.pop("GREQPROF_ENABLED", None)
-    full_env["PYTHONPATH"] = ROOT
-    full_env.update(env or {})
+    full_env = child_env(**(env or {}))
+    if "GREQPROF_ENABLED" not in (env or {}):
+        full_env.pop("GREQPROF_ENABLED", None)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                           capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=ROOT, **kw)
+                          env=full_env, cwd=CHILD_CWD, **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_serve_delivers_lingering_profiles_on_signal(tmp_path, signame):
     import urllib.request
     (tmp_path / "lingering_app.py").write_text(LINGERING_APP)
     out = tmp_path / "profiles"
-    env = dict(os.environ, GREQPROF_LINGER="30", PYTHONPATH=ROOT)
+    env = child_env(GREQPROF_LINGER="30")
     with open(str(tmp_path / "stderr.txt"), "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "greqprof", "serve", "lingering_app:app",
@@ -330,7 +331,7 @@ def test_serve_does_not_wrap_an_already_wrapped_app(tmp_path):
         app = App()
     '''))
     out = tmp_path / "profiles"
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     with open(str(tmp_path / "stderr.txt"), "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "greqprof", "serve", "wrapped_app:app",

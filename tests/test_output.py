@@ -15,6 +15,7 @@ import time
 import gevent
 import pytest
 
+from conftest import CHILD_CWD, child_env
 from greqprof import BlockingEvent, ProfilingMiddleware
 from greqprof.middleware import _BlockingSites, blocking_site
 
@@ -71,10 +72,11 @@ SCRIPT = textwrap.dedent('''
 def _run(tmp_path, mode):
     script = tmp_path / "visible.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items()
+    env = {k: v for k, v in child_env().items()
            if not k.startswith("GREQPROF_")}
     r = subprocess.run([sys.executable, str(script), mode],
-                       capture_output=True, timeout=60, cwd=ROOT, env=env)
+                       capture_output=True, timeout=60, cwd=CHILD_CWD,
+                       env=env)
     assert r.returncode == 0, r.stderr.decode()
     return r.stderr.decode()
 
@@ -303,7 +305,7 @@ def test_serve_a_file_path_says_use_module_app(tmp_path):
     (tmp_path / "myapp.py").write_text("app = lambda e, s: []\n")
     r = subprocess.run([sys.executable, "-m", "greqprof", "serve",
                         str(tmp_path / "myapp.py")], capture_output=True,
-                       timeout=30)
+                       timeout=30, cwd=CHILD_CWD, env=child_env())
     assert r.returncode == 2
     assert "serve myapp:app" in r.stderr.decode()
 
@@ -320,7 +322,7 @@ def test_viewing_md_python_snippet_runs_as_pasted(serve, tmp_path):
                          re.S).group(1)
     (tmp_path / "snippet.py").write_text(code)
     r = subprocess.run([sys.executable, "snippet.py"], capture_output=True,
-                       timeout=60, cwd=str(tmp_path))
+                       timeout=60, cwd=str(tmp_path), env=child_env())
     assert r.returncode == 0, r.stderr.decode()
     assert (tmp_path / "req.pstats").stat().st_size > 0
     assert json.loads((tmp_path / "req.json").read_text())["path"] == \

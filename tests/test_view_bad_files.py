@@ -12,6 +12,7 @@ from greqprof import RequestProfile
 from greqprof.renderers import RENDERERS, RenderError
 from greqprof.request_profile import MAX_FILE_BYTES
 
+from conftest import CHILD_CWD, child_env
 from test_renderers import synthetic_profile
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,7 +101,8 @@ BAD_BYTES = [
 def view(path, *args):
     return subprocess.run([sys.executable, "-m", "greqprof", "view",
                            str(path)] + list(args),
-                          capture_output=True, timeout=60)
+                          capture_output=True, timeout=60, cwd=CHILD_CWD,
+                          env=child_env())
 
 
 def refused(r, *needles):
@@ -270,7 +272,8 @@ def test_a_file_too_large_for_the_memory_is_one_line(tmp_path):
     probe = subprocess.run(
         [sys.executable, "-c", "import greqprof.__main__, re; print(re.search("
          "r'VmPeak:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"],
-        capture_output=True, check=True, timeout=60)
+        capture_output=True, check=True, timeout=60, cwd=CHILD_CWD,
+        env=child_env())
     limit = (int(probe.stdout) + 100 * 1024) * 1024
     path = tmp_path / "huge.json"
     with open(path, "w") as f:
@@ -281,7 +284,8 @@ def test_a_file_too_large_for_the_memory_is_one_line(tmp_path):
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     r = subprocess.run([sys.executable, "-m", "greqprof", "view", str(path)],
-                       capture_output=True, timeout=120, preexec_fn=cap)
+                       capture_output=True, timeout=120, preexec_fn=cap,
+                       cwd=CHILD_CWD, env=child_env())
     refused(r, "huge.json", "memory")
 
 
