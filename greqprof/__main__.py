@@ -299,6 +299,10 @@ def main(argv=None):
         return args.func(args)
     except CliError as e:
         parser.exit(2, "%s %s: error: %s\n" % (parser.prog, args.command, e))
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's status for SIGINT (128 + 2), not
+        # a traceback from wherever the command happened to be.
+        parser.exit(130, "%s %s: interrupted\n" % (parser.prog, args.command))
 
 
 if __name__ == "__main__":

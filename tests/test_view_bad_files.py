@@ -376,3 +376,23 @@ def test_blocking_marks_do_not_compare_every_span_with_every_event():
     v.blocking = plain[:5]   # (the others start after the last span)
     assert marked == [s for s in spans if _naive_is_blocking(v, s)]
     assert 8000 <= len(marked) < 8100
+
+
+def test_ctrl_c_during_view_is_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while view renders: one line on stderr and status 130 (before:
+    a KeyboardInterrupt traceback from inside the renderer)."""
+    import greqprof.__main__ as cli
+    from greqprof.renderers import get_renderer
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(synthetic_profile().to_dict()))
+    text = get_renderer("text")
+
+    def interrupted(profile):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(text, "render", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["view", str(path), "-f", "text"])
+    assert exc.value.code == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(" view: interrupted\n"), err
+    assert "Traceback" not in err
