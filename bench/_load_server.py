@@ -33,7 +33,8 @@ factory::
 
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
 gqp-5pct, gqp-100pct (report=False), gqp-5pct-logged, gqp-100pct-logged
-(each report logged at INFO to a file handler), gqp-100pct-calls,
+(each report logged at INFO to a file handler), bare-logged (no profiler,
+one access line logged per request the same way), gqp-100pct-calls,
 werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
 """
 import argparse
@@ -196,6 +197,19 @@ def _greqprof_logged(**kw):
     return wrap
 
 
+def _access_logged(app):
+    """No profiler: the app logs one short access line per request at INFO
+    to the same kind of file handler (the floor for any per-request log
+    record: what logging alone costs, whatever the message)."""
+    log = _report_logger()
+
+    def access_logged(environ, start_response):
+        log.info("%s %s", environ.get("REQUEST_METHOD"),
+                 environ.get("PATH_INFO"))
+        return app(environ, start_response)
+    return access_logged
+
+
 def _werkzeug(app):
     from werkzeug.middleware.profiler import ProfilerMiddleware
     # Stats are built, sorted and formatted for every request (its normal
@@ -242,6 +256,8 @@ CONFIGS = {
                           "a file", _greqprof_logged(pct=1.0)),
     "gqp-100pct-calls": ("greqprof pct=1.0 calls=True",
                          _greqprof(pct=1.0, calls=True)),
+    "bare-logged": ("bare app logging one access line per request at INFO "
+                    "to a file", _access_logged),
     "werkzeug": ("werkzeug ProfilerMiddleware (cProfile)", _werkzeug),
     "passthrough": ("a WSGI middleware that only calls the app",
                     _passthrough),

@@ -95,6 +95,8 @@ CONFIGS = [
         "to a file"),
     Cfg("gqp-100pct-logged", "greqprof pct=1.0, each report logged at "
         "INFO to a file"),
+    Cfg("bare-logged", "reference: no profiler, one access line per "
+        "request logged at INFO to a file (logging's own floor)"),
     Cfg("gqp-100pct-calls", "greqprof pct=1.0, calls=True"),
     Cfg("werkzeug", "werkzeug ProfilerMiddleware (cProfile)",
         needs="werkzeug"),
