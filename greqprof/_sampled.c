@@ -1468,10 +1468,10 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
     if (label_request_greenlet(PyTuple_GET_ITEM(raw, 11), req) < 0) {
         goto done;
     }
-    long long start = PyLong_AsLongLong(req->start_ns);
-    long long end = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 3));
-    long long epoch0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 9));
-    long long wall0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 10));
+    long long start = gqp_long_as_ll(req->start_ns);
+    long long end = gqp_long_as_ll(PyTuple_GET_ITEM(raw, 3));
+    long long epoch0 = gqp_long_as_ll(PyTuple_GET_ITEM(raw, 9));
+    long long wall0 = gqp_long_as_ll(PyTuple_GET_ITEM(raw, 10));
     if (PyErr_Occurred()) {
         goto done;
     }
@@ -1739,7 +1739,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         return NULL;
     }
     PyObject *pending = args[1];
-    long long now = PyLong_AsLongLong(args[2]);
+    long long now = gqp_long_as_ll(args[2]);
     if (now == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -1774,7 +1774,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             ((gqp_profref *)req->profile)->p &&
             gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0 &&
             req->end_ns && PyLong_Check(req->end_ns)) {
-            long long end = PyLong_AsLongLong(req->end_ns);
+            long long end = gqp_long_as_ll(req->end_ns);
             PyErr_Clear();
             wait = now < end + mw->linger_ns;
         }
