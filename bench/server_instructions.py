@@ -3,14 +3,14 @@ keep-alive load, counted by valgrind's callgrind: what a configuration adds,
 and in which C functions, without the machine's noise.
 
     python bench/server_instructions.py [CONFIG ...] [--connections 16]
-        [--requests 1600] [--warmup 480] [--top 25] [--markdown]
+        [--requests 1600] [--warmup 480] [--top 25] [--markdown] [--app api]
 
 Each configuration (a key of bench/_load_server.py, or gqp{JSON}; default:
 bare gqp-0pct gqp-5pct gqp-100pct) is served by its own
 bench/_load_server.py process under callgrind.  The script warms it up,
 zeroes the counters (callgrind_control -z), sends --requests GET /hello
-requests over --connections keep-alive connections from as many client
-threads, and dumps the counters (callgrind_control -d).  Unlike
+requests (GET /api with --app api) over --connections keep-alive
+connections from as many client threads, and dumps the counters (callgrind_control -d).  Unlike
 request_instructions.py (in-process, one request at a time), this sees
 what concurrency changes: the span history a sampled request's waiting
 time is computed from grows with the number of connections.  Kernel time
@@ -36,7 +36,9 @@ sys.path.insert(0, HERE)
 
 import _benchutil as bu  # noqa: E402
 
-URL = "/hello?name=bench"
+#: --app: the route put under load (bench/load_overhead.py's APP_PATHS)
+APP_PATHS = {"hello": "/hello?name=bench", "api": "/api?page=2"}
+URL = APP_PATHS["hello"]
 
 
 def _load(port, n, conns):
@@ -136,7 +138,18 @@ def main():
                     help="list the N functions that grew most against the "
                          "first configuration")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--keep", metavar="DIR",
+                    help="keep the callgrind dumps in DIR (for "
+                         "callgrind_annotate --inclusive=yes)")
+    ap.add_argument("--app", choices=sorted(APP_PATHS), default="hello",
+                    help="the route put under load: hello (default) or api "
+                         "(issue 16's light app: a child greenlet, a 1 ms "
+                         "sleep, a JSON body)")
     args = ap.parse_args()
+    global URL
+    URL = APP_PATHS[args.app]
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             print("skipped: %s is not installed" % tool)
@@ -147,7 +160,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in args.configs:
             per, dump = measure(cfg, args.requests, args.connections,
-                                args.warmup, tmp)
+                                args.warmup, args.keep or tmp)
             base = per if base is None else base
             bu.log("%-24s %10.0f instructions/request" % (cfg, per))
             rows.append([cfg, "%.0f" % per, "%+.0f" % (per - base)])
@@ -166,9 +179,11 @@ def main():
                 print(table(["function", "added per request"],
                             [[k[:70], "%+.0f" % d]
                              for d, k in diff[::-1][:args.top]]))
-    print("\n`python bench/server_instructions.py %s --connections %d "
+    print("\n`python bench/server_instructions.py %s%s --connections %d "
           "--requests %d%s%s`" % (
-              " ".join(args.configs), args.connections, args.requests,
+              " ".join(args.configs),
+              " --app %s" % args.app if args.app != "hello" else "",
+              args.connections, args.requests,
               " --top %d" % args.top if args.top else "",
               " --markdown" if args.markdown else ""))
     return 0

@@ -124,4 +124,23 @@ static inline int gqp_compat_dict_getitemref(PyObject *d, PyObject *key,
 #define PyDict_GetItemRef gqp_compat_dict_getitemref
 #endif
 
+/* PyLong_AsLongLong, fast for an exact int: CPython converts an int of
+ * more than one 30-bit digit (a nanosecond timestamp) to long long through
+ * _PyLong_AsByteArray (~140 instructions); PyLong_AsLongAndOverflow sums
+ * the digits (~30).  Anything else, an overflow included, goes to
+ * PyLong_AsLongLong itself: same results, same errors. */
+static inline long long gqp_long_as_ll(PyObject *v)
+{
+#if LONG_MAX == LLONG_MAX
+    if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long r = PyLong_AsLongAndOverflow(v, &overflow);
+        if (!overflow) {
+            return r;
+        }
+    }
+#endif
+    return PyLong_AsLongLong(v);
+}
+
 #endif /* GQP_COMPAT_H */

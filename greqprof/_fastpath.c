@@ -493,7 +493,7 @@ static void count_stat(gqp_mw *self, PyObject *key)
         return;
     }
     PyObject *old = PyDict_GetItemWithError(self->stats, key);
-    long long n = old && PyLong_CheckExact(old) ? PyLong_AsLongLong(old) : -1;
+    long long n = old && PyLong_CheckExact(old) ? gqp_long_as_ll(old) : -1;
     PyObject *next = n >= 0 ? PyLong_FromLongLong(n + 1) : NULL;
     if (next) {
         PyDict_SetItem(self->stats, key, next);

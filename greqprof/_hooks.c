@@ -2297,8 +2297,8 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
     }
     gqp_profile *p = (gqp_profile *)PyLong_AsVoidPtr(args[0]);
     gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(args[1]);
-    long long start_ns = PyLong_AsLongLong(args[2]);
-    long long end_ns = PyLong_AsLongLong(args[3]);
+    long long start_ns = gqp_long_as_ll(args[2]);
+    long long end_ns = gqp_long_as_ll(args[3]);
     Py_ssize_t top = PyLong_AsSsize_t(args[4]);
     int take = PyObject_IsTrue(args[5]);
     if (PyErr_Occurred()) {

@@ -1380,6 +1380,49 @@ static PyObject *str_finalize_py, *str_deliver, *str_report, *str_sink,
  * an open profile read for observers, its stacks left in place and
  * without blocking events.  calls: the function table or None.  A new
  * reference, or NULL with an exception set. */
+/* "METHOD path" (what PyUnicode_FromFormat("%U %U") makes, without
+ * parsing a format: this runs once per sampled request).  A new
+ * reference, or NULL with an exception set. */
+static PyObject *method_path_text(PyObject *method, PyObject *path)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(method) < 0 || PyUnicode_READY(path) < 0) {
+        return NULL;
+    }
+#endif
+    Py_ssize_t m = PyUnicode_GET_LENGTH(method);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(path);
+    if (m > PY_SSIZE_T_MAX - 1 - n) {
+        return PyErr_NoMemory();
+    }
+    Py_UCS4 maxc = PyUnicode_MAX_CHAR_VALUE(method);
+    if (PyUnicode_MAX_CHAR_VALUE(path) > maxc) {
+        maxc = PyUnicode_MAX_CHAR_VALUE(path);
+    }
+    PyObject *text = PyUnicode_New(m + 1 + n, maxc);
+    if (!text) {
+        return NULL;
+    }
+    int kind = PyUnicode_KIND(text);
+    void *data = PyUnicode_DATA(text);
+    /* (a part of the same width is copied as it is) */
+    if (PyUnicode_KIND(method) == kind) {
+        memcpy(data, PyUnicode_DATA(method), (size_t)m * (size_t)kind);
+    } else if (PyUnicode_CopyCharacters(text, 0, method, 0, m) < 0) {
+        Py_DECREF(text);
+        return NULL;
+    }
+    PyUnicode_WRITE(kind, data, m, ' ');
+    if (PyUnicode_KIND(path) == kind) {
+        memcpy((char *)data + (size_t)(m + 1) * (size_t)kind,
+               PyUnicode_DATA(path), (size_t)n * (size_t)kind);
+    } else if (PyUnicode_CopyCharacters(text, m + 1, path, 0, n) < 0) {
+        Py_DECREF(text);
+        return NULL;
+    }
+    return text;
+}
+
 /* names[req's greenlet] = ("METHOD path", fn_name): the request's own
  * greenlet is shown as the request, not as gevent's server function
  * (issue 16).  names is read_profile's (a new dict).  0 or -1. */
@@ -1396,7 +1439,7 @@ static int label_request_greenlet(PyObject *names, gqp_req *req)
     }
     PyObject *fn = old && PyTuple_Check(old) && PyTuple_GET_SIZE(old) == 2
                        ? PyTuple_GET_ITEM(old, 1) : str_empty;
-    PyObject *text = PyUnicode_FromFormat("%U %U", req->method, req->path);
+    PyObject *text = method_path_text(req->method, req->path);
     PyObject *pair = text ? PyTuple_Pack(2, text, fn) : NULL;
     int rc = pair ? PyDict_SetItem(names, req->gid, pair) : -1;
     Py_XDECREF(text);
@@ -1425,10 +1468,10 @@ static PyObject *build_profile(gqp_mw *mw, PyObject *tracer, gqp_req *req,
     if (label_request_greenlet(PyTuple_GET_ITEM(raw, 11), req) < 0) {
         goto done;
     }
-    long long start = PyLong_AsLongLong(req->start_ns);
-    long long end = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 3));
-    long long epoch0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 9));
-    long long wall0 = PyLong_AsLongLong(PyTuple_GET_ITEM(raw, 10));
+    long long start = gqp_long_as_ll(req->start_ns);
+    long long end = gqp_long_as_ll(PyTuple_GET_ITEM(raw, 3));
+    long long epoch0 = gqp_long_as_ll(PyTuple_GET_ITEM(raw, 9));
+    long long wall0 = gqp_long_as_ll(PyTuple_GET_ITEM(raw, 10));
     if (PyErr_Occurred()) {
         goto done;
     }
@@ -1696,7 +1739,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         return NULL;
     }
     PyObject *pending = args[1];
-    long long now = PyLong_AsLongLong(args[2]);
+    long long now = gqp_long_as_ll(args[2]);
     if (now == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -1731,7 +1774,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             ((gqp_profref *)req->profile)->p &&
             gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0 &&
             req->end_ns && PyLong_Check(req->end_ns)) {
-            long long end = PyLong_AsLongLong(req->end_ns);
+            long long end = gqp_long_as_ll(req->end_ns);
             PyErr_Clear();
             wait = now < end + mw->linger_ns;
         }

@@ -1464,6 +1464,67 @@ GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t)
 #define WAIT_SLOTS 128
 #define WAIT_MINE UINT64_MAX
 
+/* The waited-on map of gqp_tracer_waited: gqp__map_put's probe inlined
+ * (it runs once per history entry in the window, about a hundred per
+ * sampled request under load), and the slots taken while the map is still
+ * in its WAIT_SLOTS stack arrays marked in a bitmap, so the top-n pass
+ * visits those slots, in the same (slot) order, instead of all of them.
+ * Growing the map (more than WAIT_SLOTS / 2 greenlets) goes through
+ * gqp__map_put and ends the bitmap (used = false: every slot is looked at,
+ * as before). */
+typedef struct wait_map {
+    gqp__map m;
+    uint64_t taken[WAIT_SLOTS / 64];
+    bool used;
+} wait_map;
+
+static GQP__ALWAYS_INLINE uint64_t *wait_put(wait_map *w, uint64_t key,
+                                             bool *added)
+{
+    gqp__map *m = &w->m;
+    if (key != 0 && m->borrowed) {
+        size_t mask = m->cap - 1;
+        size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 17) & mask;
+        for (;; i = (i + 1) & mask) {
+            if (m->keys[i] == key) {
+                *added = false;
+                return &m->vals[i];
+            }
+            if (m->keys[i] == 0) {
+                break;
+            }
+        }
+        if ((m->len + 1) * 2 <= m->cap) {   /* (gqp__map_put's load) */
+            m->keys[i] = key;
+            m->vals[i] = 0;
+            m->len++;
+            w->taken[i / 64] |= (uint64_t)1 << (i % 64);
+            *added = true;
+            return &m->vals[i];
+        }
+    }
+    uint64_t *v = gqp__map_put(m, key, added);
+    if (!m->borrowed) {
+        w->used = false;   /* (grown: the slots moved) */
+    }
+    return v;
+}
+
+/* Index of the lowest set bit of a non-zero word. */
+static inline unsigned low_bit(uint64_t x)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    return (unsigned)__builtin_ctzll(x);
+#else
+    unsigned k = 0;
+    while (!(x & 1)) {
+        x >>= 1;
+        k++;
+    }
+    return k;
+#endif
+}
+
 GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                               int64_t start_ns, int64_t end_ns,
                               int64_t *total_ns, uint64_t *ids, int64_t *ns,
@@ -1478,8 +1539,11 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
     }
     uint64_t serial = mine ? mine->serial : 0;
     uint64_t wkeys[WAIT_SLOTS], wvals[WAIT_SLOTS];
-    gqp__map w;
-    gqp__map_init_buf(&w, wkeys, wvals, WAIT_SLOTS);
+    wait_map wm;
+    gqp__map_init_buf(&wm.m, wkeys, wvals, WAIT_SLOTS);
+    memset(wm.taken, 0, sizeof wm.taken);
+    wm.used = true;
+    gqp__map *const wmap = &wm.m;
     if (mine && atomic_load(&mine->attached) > 0) {
         /* Greenlets attached to mine now are mine all along. */
         for (size_t i = 0; i < t->gmap.cap; i++) {
@@ -1492,9 +1556,9 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                 continue;
             }
             bool added;
-            uint64_t *v = gqp__map_put(&w, g->id, &added);
+            uint64_t *v = wait_put(&wm, g->id, &added);
             if (!v) {
-                gqp__map_free(&w);
+                gqp__map_free(wmap);
                 return GQP_ENOMEM;
             }
             *v = WAIT_MINE;
@@ -1526,9 +1590,9 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
             continue;
         }
         bool added;
-        uint64_t *v = gqp__map_put(&w, h->greenlet_id, &added);
+        uint64_t *v = wait_put(&wm, h->greenlet_id, &added);
         if (!v) {
-            gqp__map_free(&w);
+            gqp__map_free(wmap);
             return GQP_ENOMEM;
         }
         if (added && serial && gqp__map_get(&mine->gindex, h->greenlet_id)) {
@@ -1544,11 +1608,20 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
     }
     /* Top n by time: insertion into the (short) output arrays. */
     size_t used = 0;
-    for (size_t i = 0; i < w.cap && n; i++) {
-        if (!w.keys[i] || w.vals[i] == WAIT_MINE) {
+    for (size_t i = 0; i < wmap->cap && n; i++) {
+        if (wm.used) {
+            /* (on to the next taken slot, in slot order) */
+            uint64_t bits = wm.taken[i / 64] >> (i % 64);
+            if (!bits) {
+                i |= 63;   /* (the next word) */
+                continue;
+            }
+            i += low_bit(bits);
+        }
+        if (!wmap->keys[i] || wmap->vals[i] == WAIT_MINE) {
             continue;
         }
-        int64_t d = (int64_t)w.vals[i];
+        int64_t d = (int64_t)wmap->vals[i];
         if (used == n && d <= ns[n - 1]) {
             continue;
         }
@@ -1558,10 +1631,10 @@ GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
             ns[j] = ns[j - 1];
             j--;
         }
-        ids[j] = w.keys[i];
+        ids[j] = wmap->keys[i];
         ns[j] = d;
     }
-    gqp__map_free(&w);
+    gqp__map_free(wmap);
     *total_ns = total;
     if (complete) {
         *complete = t->hist_overwritten_end == 0 ||

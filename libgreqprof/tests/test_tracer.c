@@ -884,6 +884,72 @@ TEST(waited_totals_and_top_n)
     gqp_profile_free(mine);
 }
 
+/* A window of n other greenlets, greenlet k running 1 + (k * 7) % 13 ns
+ * between two spans of mine: the total, and the top 8 by time (ids of
+ * equal times in any order).  With mine's greenlet, n = 63 fills
+ * waited's table on the stack to its load limit; n = 64 makes it grow
+ * (onto the heap) midway. */
+static void waited_window_of(int n)
+{
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 10);
+    uint64_t prev = KG;
+    int64_t want_total = 0, dur[64], top[8] = {0};
+    for (int k = 0; k < n; k++) {
+        uint64_t key = KH + (uint64_t)(k + 1) * 0x100;
+        EV(gqp_tracer_switch(t, prev, key, 0));
+        dur[k] = 1 + (k * 7) % 13;
+        fc_run(&c, dur[k]);
+        want_total += dur[k];
+        prev = key;
+        for (int i = 0; i < 8; i++) {   /* (top 8 durations, descending) */
+            if (dur[k] > top[i]) {
+                memmove(&top[i + 1], &top[i], (size_t)(7 - i) * sizeof *top);
+                top[i] = dur[k];
+                break;
+            }
+        }
+    }
+    EV(gqp_tracer_switch(t, prev, KG, 0));
+    fc_run(&c, 10);
+    uint64_t ids[8];
+    int64_t ns[8], total = -1;
+    int complete = -1;
+    int rc = gqp_tracer_waited(t, mine, W0 + 1, c.wall, &total, ids, ns, 8,
+                               &complete);
+    ASSERT_EQ_I64(rc, 8);
+    ASSERT_EQ_I64(total, want_total);
+    ASSERT_EQ_I64(complete, 1);
+    for (int i = 0; i < 8; i++) {
+        ASSERT_EQ_I64(ns[i], top[i]);
+        int found = 0;
+        for (int k = 0; k < n; k++) {
+            if (gid(t, KH + (uint64_t)(k + 1) * 0x100) == ids[i]) {
+                ASSERT_EQ_I64(dur[k], ns[i]);
+                found = 1;
+            }
+        }
+        ASSERT_TRUE(found);
+        for (int j = 0; j < i; j++) {
+            ASSERT_TRUE(ids[j] != ids[i]);
+        }
+    }
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
+TEST(waited_window_at_the_stack_table_limit)
+{
+    waited_window_of(40);
+    waited_window_of(63);
+    waited_window_of(64);
+}
+
 TEST(waited_incomplete_history)
 {
     fake_clock c;
