@@ -201,6 +201,8 @@ def shutdown():
         _local.engine = None
         with _engines_lock:
             _engines.pop(eng.thread_ident, None)
+            # (the next engine's tracer gives the hub another id)
+            _registry.hub_ids.pop(eng.thread_ident, None)
 
 
 def _real_thread_functions():
@@ -252,8 +254,9 @@ class Watchdog:
             if run is None:
                 continue
             start, gid = run
-            if eng.hub_gid is None:
-                eng.hub_gid = _registry.hub_ids.get(eng.thread_ident)
+            # (read every time: a new engine in the thread numbers its hub
+            # anew, and caching the first value read kept a stale id)
+            eng.hub_gid = _registry.hub_ids.get(eng.thread_ident)
             if gid == eng.hub_gid:
                 continue  # the hub waiting for I/O is not blocking
             key = (gid, start)
