@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import gevent
 import pytest
@@ -567,7 +568,17 @@ def test_two_threads_share_the_site_caches():
                         failures.append(r.status)
             gevent.joinall([gevent.spawn(client, c) for c in range(CLIENTS)],
                            raise_error=True)
-            gevent.sleep(0.2)
+            # (each profile is delivered after its response; with the GIL
+            # handed over every microsecond a loaded machine may take a
+            # while: wait for this thread's, not a fixed 0.2 s)
+            mine = "/t%d/" % index
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with lock:
+                    n = sum(p.path.startswith(mine) for p in profiles)
+                if n >= CLIENTS * PER_CLIENT:
+                    break
+                gevent.sleep(0.05)
             server.stop()
         except BaseException as e:  # reported by the main thread
             failures.append(repr(e))
