@@ -28,6 +28,26 @@ def run_python(code, timeout=60, env=None, **kw):
                           env=full_env, cwd=CHILD_CWD, **kw)
 
 
+def _serve_in_subprocess(tmp_path, app, out, **env):
+    """`python -m greqprof serve APP` in tmp_path (the app's module there)
+    on a free port, writing profiles to out: (process, its URL).  Its
+    stderr goes to tmp_path/stderr.txt."""
+    import re
+    with open(str(tmp_path / "stderr.txt"), "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "greqprof", "serve", app,
+             "--port", "0", "--quiet", "--profile-dir", str(out)],
+            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err,
+            env=child_env(**env))
+    try:
+        line = proc.stdout.readline().decode()
+        return proc, re.search(r"on (http://\S+)", line).group(1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 # ---------------------------------------------------------------------------
 # 6. atomic profile files
 
@@ -133,15 +153,9 @@ def test_serve_delivers_lingering_profiles_on_signal(tmp_path, signame):
     import urllib.request
     (tmp_path / "lingering_app.py").write_text(LINGERING_APP)
     out = tmp_path / "profiles"
-    env = child_env(GREQPROF_LINGER="30")
-    with open(str(tmp_path / "stderr.txt"), "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "greqprof", "serve", "lingering_app:app",
-             "--port", "0", "--quiet", "--profile-dir", str(out)],
-            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err, env=env)
+    proc, url = _serve_in_subprocess(tmp_path, "lingering_app:app", out,
+                                     GREQPROF_LINGER="30")
     try:
-        line = proc.stdout.readline().decode()
-        url = re.search(r"on (http://\S+)", line).group(1)
         for i in range(5):
             with urllib.request.urlopen(url + "/r%d" % i, timeout=10) as r:
                 assert r.read() == b"hello"
@@ -331,15 +345,8 @@ def test_serve_does_not_wrap_an_already_wrapped_app(tmp_path):
         app = App()
     '''))
     out = tmp_path / "profiles"
-    env = child_env()
-    with open(str(tmp_path / "stderr.txt"), "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "greqprof", "serve", "wrapped_app:app",
-             "--port", "0", "--quiet", "--profile-dir", str(out)],
-            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err, env=env)
+    proc, url = _serve_in_subprocess(tmp_path, "wrapped_app:app", out)
     try:
-        line = proc.stdout.readline().decode()
-        url = re.search(r"on (http://\S+)", line).group(1)
         with urllib.request.urlopen(url + "/x", timeout=10) as r:
             assert r.read() == b"hello"
         proc.send_signal(signal.SIGTERM)
