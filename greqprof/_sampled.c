@@ -1092,9 +1092,20 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     int trigger = sampled && sampled_by != str_pct &&
                   PyUnicode_Check(sampled_by) &&
                   PyUnicode_CompareWithASCIIString(sampled_by, "trigger") == 0;
-    if (!self->armed_eng || !self->profile_type) {
+    if (!self->armed_eng || !self->profile_type || st != armed_state(self)) {
         return NULL;
     }
+    /* This thread's engine, taken now, while self is armed for it: the
+     * code below may run Python (an environ value's str(), a garbage
+     * collection's finalizers), during which another thread serving the
+     * same middleware may arm it for itself.  The request is this
+     * thread's whatever self is armed for by then.  (Before: it was
+     * dropped, unprofiled and unlogged, when that happened.) */
+    PyObject *eng = Py_NewRef(self->armed_eng);
+    PyObject *requests = Py_NewRef(self->requests);
+    PyObject *by_addr = Py_NewRef(self->profile_requests);
+    long fork_gen = self->armed_fork_gen;
+    uint64_t st_gen = st->gen;
     int slot = 0;
     if (sampled) {
         slot = slot_acquire(self, trigger);
@@ -1105,7 +1116,7 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
         }
     }
     if (!sampled && !self->observers) {
-        return NULL;
+        goto not_followed;
     }
     gqp_req *req = PyObject_GC_New(gqp_req, &gqp_req_type);
     if (!req) {
@@ -1113,7 +1124,7 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
         if (slot) {
             open_release(self, slot == SLOT_RESERVE);
         }
-        return NULL;
+        goto not_followed;
     }
     memset((char *)req + sizeof(PyObject), 0,
            sizeof(gqp_req) - sizeof(PyObject));
@@ -1137,27 +1148,23 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     }
     /* The running greenlet, as greenlet knows it (the tracer's idea of it
      * would be stale if another tool replaced the switch hook: the attach
-     * below then names this one), and still this thread's armed state
-     * (str() of an environ value runs code). */
+     * below then names this one), and this thread's hooks still running
+     * (str() of an environ value runs code, which may stop them). */
     PyObject *g = PyObject_CallNoArgs(greenlet_getcurrent);
-    if (!g || st != armed_state(self)) {
+    if (!g || st != gqp__tls || !st->active || !st->tracer ||
+        st->gen != st_gen) {
         Py_XDECREF(g);
         goto fail;
     }
     uint64_t key = (uint64_t)(uintptr_t)g;
     Py_DECREF(g);   /* (the running greenlet is alive: req takes a ref) */
-    /* What the armed state is now: allocations below may run a garbage
-     * collection, whose finalizers may let another thread re-arm self. */
-    PyObject *eng = Py_NewRef(self->armed_eng);
-    PyObject *requests = Py_NewRef(self->requests);
-    PyObject *by_addr = Py_NewRef(self->profile_requests);
     req->start_ns = PyLong_FromLongLong((long long)gqp_clock_wall_ns());
     req->blocking = PyList_New(0);
-    req->generation = PyLong_FromLong(self->armed_fork_gen);
+    req->generation = PyLong_FromLong(fork_gen);
     req->observed = self->observers ? PyList_New(0) : Py_NewRef(Py_None);
     if (!req->start_ns || !req->blocking || !req->generation ||
         !req->observed) {
-        goto fail_armed;
+        goto fail;
     }
     int64_t gid;
     gqp_profile *p = NULL;
@@ -1245,10 +1252,6 @@ fail_window:
     if (p) {
         profile_window(st, -1);
     }
-fail_armed:
-    Py_DECREF(eng);
-    Py_DECREF(requests);
-    Py_DECREF(by_addr);
 fail:
     /* (logged once and counted, like every internal error; the request
      * runs unprofiled) */
@@ -1257,6 +1260,10 @@ fail:
     }
     req_release_slot(self, req);
     Py_DECREF(req);
+not_followed:
+    Py_DECREF(eng);
+    Py_DECREF(requests);
+    Py_DECREF(by_addr);
     return NULL;
 }
 
@@ -1336,16 +1343,25 @@ static PyObject *greenlet_profile_py(PyObject *self, PyObject *const *args,
     return PyLong_FromVoidPtr(p);
 }
 
-/* MiddlewareBase._begin_request(environ, sampled_by): Python's policy
- * decided (the trigger header, a draw, observers): the request begins in
- * open_request, on this thread's armed hooks.  The Request, or None when
+/* MiddlewareBase._begin_request(environ, sampled_by, hooks_address,
+ * engine, fork_generation): Python's policy decided (the trigger header,
+ * a draw, observers): the request begins in open_request, on this
+ * thread's hooks.  self is armed for them here (as _arm does), with no
+ * Python run in between: a middleware shared by several threads may have
+ * been armed by another one since Python's _join.  (Before: the request
+ * then went unprofiled, with nothing logged.)  The Request, or None when
  * it is not followed. */
 static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs)
 {
-    if (want_args(nargs, 2, "_begin_request") < 0) {
+    if (want_args(nargs, 5, "_begin_request") < 0) {
         return NULL;
     }
+    PyObject *ok = mw_arm(self, args + 2, 3);
+    if (!ok) {
+        return NULL;
+    }
+    Py_DECREF(ok);
     gqp_py_thread *st = armed(self);
     gqp_req *req = st ? open_request(self, st, args[0], args[1]) : NULL;
     if (!req) {

@@ -399,7 +399,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         self._join(eng)
         # (C: the one place a followed request begins, _sampled.c's
         # open_request; it calls back _observe_begin)
-        return self._begin_request(environ, sampled_by)
+        return self._begin_request(environ, sampled_by, eng.tracer.hooks_addr,
+                                   eng, _engine.fork_generation())
 
     # -- the lifecycle's Python hooks (called by the C lifecycle, at fixed
     # points, for what is the user's: observers and function statistics) --

@@ -171,6 +171,176 @@ def test_threads_each_with_hub_and_server():
     assert mw.stats["blocking"] >= NTHREADS
 
 
+class _OtherThread:
+    """A second OS thread with its own hub and pywsgi server, both serving
+    the same middleware; request() makes it serve one request to itself
+    while the calling thread waits (the GIL handed over at a chosen
+    point).  Its request arms the middleware's C path for that thread."""
+
+    def __init__(self, mw):
+        self.mw, self.failures = mw, []
+        self.ready, self.go, self.done = (threading.Event(), threading.Event(),
+                                          threading.Event())
+        self.served, self.stop = 0, False
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        assert self.ready.wait(20), self.failures
+
+    def _run(self):
+        try:
+            server = pywsgi.WSGIServer(("127.0.0.1", 0), self.mw, log=None)
+            server.start()
+            self.ready.set()
+            while not self.stop:
+                if self.go.is_set():
+                    self.go.clear()
+                    status = _http_get(server.server_port, "/other",
+                                       "other-%d" % self.served)
+                    if status != b"HTTP/1.1 200 OK":
+                        self.failures.append(status)
+                    self.served += 1
+                    self.done.set()
+                gevent.sleep(0.002)
+            server.stop()
+        except BaseException as e:  # reported by the test
+            self.failures.append(repr(e))
+            self.ready.set()
+            self.done.set()
+        finally:
+            engine.shutdown()
+
+    def request(self):
+        """Blocks this OS thread (its hub too) until the other thread has
+        served one request."""
+        self.done.clear()
+        self.go.set()
+        assert self.done.wait(20), "the other thread served nothing"
+
+    def close(self):
+        self.stop = True
+        self.thread.join(20)
+        assert not self.thread.is_alive()
+        assert self.failures == []
+
+
+def _two_thread_middleware():
+    profiles, lock = [], threading.Lock()
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok\n"]
+
+    def sink(p):
+        with lock:
+            profiles.append(p.request_id)
+
+    mw = ProfilingMiddleware(app, pct=1.0, linger=0, report=False, sink=sink,
+                             blocking_ms=None)
+    return mw, profiles
+
+
+def _in_thread(fn):
+    """fn() in a new OS thread (its own hub), its exception re-raised."""
+    out = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:
+            out.append(e)
+        finally:
+            engine.shutdown()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    if out:
+        raise out[0]
+
+
+def test_request_begun_while_another_thread_arms_the_middleware():
+    """Thread A sets itself up for the middleware (Python's _join arms the
+    C path for A) and, before its request begins, thread B serves a
+    request, which arms the middleware for B.  A's request is still
+    profiled.  (Before: it went unprofiled and nothing was logged: one
+    profile in a few hundred lost when two threads shared a middleware,
+    test_waits.py's two-thread stress.)"""
+    mw, profiles = _two_thread_middleware()
+    other = _OtherThread(mw)
+    try:
+        other.request()   # armed for B
+        join = mw._join
+
+        def join_then_let_b_arm(eng):
+            join(eng)
+            if threading.current_thread() is not other.thread:
+                other.request()
+        mw._join = join_then_let_b_arm
+
+        def thread_a():
+            server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+            server.start()
+            try:
+                assert _http_get(server.server_port, "/a", "a-0") == \
+                    b"HTTP/1.1 200 OK"
+            finally:
+                server.stop()
+        _in_thread(thread_a)
+    finally:
+        other.close()
+    assert sorted(profiles) == ["a-0", "other-0", "other-1"], mw.stats
+    assert mw.stats["requests"] == mw.stats["sampled"] == 3
+    assert mw.stats["errors"] == 0
+
+
+class _ArmsOtherThread:
+    """An environ value whose str() (which the middleware takes when a
+    request begins) lets the other thread serve a request meanwhile."""
+
+    def __init__(self, other, text):
+        self.other, self.text = other, text
+
+    def __str__(self):
+        self.other.request()
+        return self.text
+
+
+def test_request_whose_environ_lets_another_thread_arm_the_middleware():
+    """Thread A's request begins on A's armed C path; taking its method
+    runs Python (a str() of a value that is not a str), during which
+    thread B serves a request and arms the middleware for itself.  A's
+    request is still profiled, as A's.  (Before: it was dropped,
+    unprofiled, with nothing logged.)"""
+    mw, profiles = _two_thread_middleware()
+    other = _OtherThread(mw)
+    statuses = []
+
+    def start_response(status, headers, exc_info=None):
+        statuses.append(status)
+
+    def environ(rid, method):
+        return {"REQUEST_METHOD": method, "PATH_INFO": "/a",
+                "HTTP_X_REQUEST_ID": rid, "wsgi.input": None}
+
+    def thread_a():
+        def call(env):
+            body = mw(env, start_response)
+            b"".join(body)
+            getattr(body, "close", lambda: None)()
+        # A set up and armed; then a request begins on A's C path
+        gevent.spawn(call, environ("a-0", "GET")).join()
+        gevent.spawn(call, environ("a-1", _ArmsOtherThread(other, "GET"))
+                     ).join()
+    try:
+        _in_thread(thread_a)
+    finally:
+        other.close()
+    assert statuses == ["200 OK", "200 OK"]
+    assert sorted(profiles) == ["a-0", "a-1", "other-0"], mw.stats
+    assert mw.stats["requests"] == mw.stats["sampled"] == 3
+    assert mw.stats["errors"] == 0
+
+
 # ---------------------------------------------------------------------------
 # gevent monkey-patched threads
 
