@@ -409,7 +409,7 @@ static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
     *str_defer,
     *str_internal_error, *str_begin, *str_method_key, *str_path_key,
     *str_rid_key, *str_lingering, *str_requests_attr, *str_profile_requests,
-    *str_pending;
+    *str_pending, *str_reentered_here;
 
 static int mw_traverse(gqp_mw *self, visitproc visit, void *arg)
 {
@@ -961,6 +961,7 @@ static int gqp_py_fast_init(PyObject *reg)
         {&str_lingering, "lingering"}, {&str_requests_attr, "requests"},
         {&str_profile_requests, "profile_requests"}, {&str_pending, "pending"},
         {&str_mark_key, "greqprof.middleware"}, {&str_defer, "_defer"},
+        {&str_reentered_here, "_reentered_here"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

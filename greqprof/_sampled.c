@@ -1295,15 +1295,25 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
 }
 
 /* Whether self already has a request open (its response not done) on the
- * running greenlet of its armed thread: called only for an environ that
- * self marked already (an internal forward to the root app with the same
- * environ), which then passes through instead of being profiled twice. */
+ * running greenlet: called only for an environ that self marked already
+ * (an internal forward to the root app with the same environ), which then
+ * passes through instead of being profiled twice.  When self is armed for
+ * another thread (one serving the same middleware ran meanwhile), Python
+ * looks in this thread's engine: rare, and before anything begins.
+ * (Before: the forward was then profiled again, a second profile.) */
 static int reentered(gqp_mw *self)
 {
     gqp_py_thread *st = armed_state(self);
     uint64_t id = 0;
-    if (!st || !self->requests ||
-        gqp_tracer_current(st->tracer, NULL, &id, NULL) != GQP_OK) {
+    if (!st || !self->requests) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self,
+                                                str_reentered_here);
+        int yes = r ? PyObject_IsTrue(r) : 0;
+        Py_XDECREF(r);
+        PyErr_Clear();
+        return yes > 0;
+    }
+    if (gqp_tracer_current(st->tracer, NULL, &id, NULL) != GQP_OK) {
         return 0;
     }
     PyObject *k = PyLong_FromUnsignedLongLong(id);

@@ -340,6 +340,16 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             return self.inspector(environ, start_response)  # not profiled
         return self._call_profiled(req, environ, start_response)
 
+    def _reentered_here(self):
+        """_reentered() in a thread this middleware is not armed for: an
+        open request of this middleware on the running greenlet, in this
+        thread's engine."""
+        eng = _engine.current_engine()
+        if eng is None:
+            return False
+        req = eng.requests.get(eng.tracer.greenlet_id(getcurrent()))
+        return req is not None and req.owner is self and not req.done
+
     def _defer(self, outer):
         """This middleware serves requests that another ProfilingMiddleware
         around it profiles already: it passes them through (once logged)."""

@@ -341,6 +341,41 @@ def test_request_whose_environ_lets_another_thread_arm_the_middleware():
     assert mw.stats["errors"] == 0
 
 
+def test_request_forwarded_to_the_middleware_after_another_thread_armed_it():
+    """Thread A's app forwards its request to the middleware again (the
+    root app, the same environ) after thread B served a request, which
+    armed the middleware for B: the forward still passes through, and A's
+    request is profiled once, by the outer call."""
+    served = {}
+    mw, profiles = _two_thread_middleware()
+    app = mw.app
+
+    def forwarding(environ, start_response):
+        if environ["PATH_INFO"] == "/outer":
+            served["other"].request()   # armed for B
+            environ["PATH_INFO"] = "/inner"
+            return [b"".join(mw(environ, start_response))]
+        return app(environ, start_response)
+    mw.app = forwarding
+    served["other"] = other = _OtherThread(mw)
+
+    def thread_a():
+        server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        server.start()
+        try:
+            assert _http_get(server.server_port, "/outer", "a-0") == \
+                b"HTTP/1.1 200 OK"
+        finally:
+            server.stop()
+    try:
+        _in_thread(thread_a)
+    finally:
+        other.close()
+    assert sorted(profiles) == ["a-0", "other-0"], mw.stats
+    assert mw.stats["requests"] == mw.stats["sampled"] == 2
+    assert mw.stats["errors"] == 0
+
+
 # ---------------------------------------------------------------------------
 # gevent monkey-patched threads
 
