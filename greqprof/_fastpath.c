@@ -388,6 +388,8 @@ static PyObject *mw_call_profiled(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
 static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
+static PyObject *mw_end_lingering(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs);
 static void note_unsampled(gqp_py_thread *st, PyObject *environ);
 static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
                                  Py_ssize_t nargs);
@@ -519,10 +521,14 @@ static gqp_py_thread *armed_state(gqp_mw *self)
     return st;
 }
 
-/* requests[prev.gid] is deleted if it is prev (defined in _sampled.c,
- * with the Request type). */
-static void forget_request_of(PyObject *requests, PyObject *prev);
+/* Ends the lingering of the running greenlet's previous request as it
+ * begins another (defined in _sampled.c, with the Request type). */
+static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *lingering,
+                         PyObject *requests, uint64_t key);
 
+/* This thread's state when self is armed for it, after ending the running
+ * greenlet's previous lingering request; NULL when not armed, or NULL with
+ * a BaseException set that the greenlet got while it yielded there. */
 static gqp_py_thread *armed(gqp_mw *self)
 {
     gqp_py_thread *st = armed_state(self);
@@ -535,22 +541,17 @@ static gqp_py_thread *armed(gqp_mw *self)
         if (gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK) {
             return NULL;
         }
-        PyObject *k = PyLong_FromUnsignedLongLong(key);
-        PyObject *prev = k ? PyDict_GetItemWithError(self->lingering, k)
-                           : NULL;
-        Py_XINCREF(prev);
-        if (prev && PyDict_DelItem(self->lingering, k) == 0) {
-            gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
-            /* Nor are the greenlet's blocking spans from now on: they
-             * go to the request it begins. */
-            forget_request_of(self->requests, prev);
+        PyObject *lingering = Py_NewRef(self->lingering);
+        PyObject *requests = Py_NewRef(self->requests);
+        int rc = end_lingering(self, st, lingering, requests, key);
+        Py_DECREF(lingering);
+        Py_DECREF(requests);
+        if (rc < 0) {
+            return NULL;   /* (the greenlet's BaseException, set) */
         }
-        Py_XDECREF(prev);
-        Py_XDECREF(k);
-        if (PyErr_Occurred()) {
-            PyErr_Clear();
-            return NULL;
-        }
+        /* (it may have run Python, during which another thread may have
+         * armed self for itself) */
+        return armed_state(self);
     }
     return st;
 }
@@ -646,6 +647,9 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     gqp_py_thread *st = NULL;
     if (self->blocking && !(st = armed(self))) {
+        if (PyErr_Occurred()) {
+            return NULL;   /* (killed while it yielded: end_lingering) */
+        }
         /* This thread's engine is not ready: Python sets it up (and arms
          * this path for it). */
         return call_method2((PyObject *)self, str_call_slow, environ,
@@ -671,14 +675,19 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     count_stat(self, str_requests);
     if (sampled) {
-        return sampled_call(self, st ? st : armed(self), environ,
+        if (!st && !(st = armed(self)) && PyErr_Occurred()) {
+            return NULL;
+        }
+        return sampled_call(self, st, environ,
                             start_response);
     }
     if (!self->blocking && self->lingering &&
         PyDict_GET_SIZE(self->lingering) > 0) {
         /* (armed() ends the greenlet's lingering request: what it spawns
          * now is not that request's) */
-        armed(self);
+        if (!armed(self) && PyErr_Occurred()) {
+            return NULL;
+        }
     }
     if (st) {
         note_unsampled(st, environ);
@@ -839,7 +848,11 @@ static PyObject *mw_arm(gqp_mw *self, PyObject *const *args,
 static PyObject *mw_is_armed(gqp_mw *self, PyObject *unused)
 {
     (void)unused;
-    return PyBool_FromLong(armed(self) != NULL);
+    gqp_py_thread *st = armed(self);
+    if (!st && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyBool_FromLong(st != NULL);
 }
 
 static PyObject *mw_disarm(gqp_mw *self, PyObject *unused)
@@ -915,6 +928,9 @@ static PyMethodDef mw_methods[] = {
      "True when this request re-enters the middleware (internal)."},
     {"_begin_request", (PyCFunction)(void (*)(void))mw_begin_request,
      METH_FASTCALL, "Begins a profiled or observed request (internal)."},
+    {"_end_lingering", (PyCFunction)(void (*)(void))mw_end_lingering,
+     METH_FASTCALL,
+     "The running greenlet's previous request stops lingering (internal)."},
     {"_lifecycle_setup", (PyCFunction)mw_lifecycle_setup, METH_O,
      "Sets whether observers hear of requests (internal)."},
     {"_finalize", (PyCFunction)(void (*)(void))mw_finalize, METH_FASTCALL,

@@ -235,6 +235,11 @@ typedef struct {
     char end_seen;          /* observers heard of its response's end */
     gqp_py_thread *st;      /* the hooks of the thread it began in ... */
     uint64_t st_gen;        /* ... as they were then */
+    /* Lingering: the start of its greenlet's span split off when the
+     * response ended (0: unknown); while that span runs, the greenlet has
+     * not switched since (end_lingering). */
+    int64_t ling_span;
+    char seen_queued;       /* a finisher pass saw it queued */
 } gqp_req;
 
 /* A field reads None while unset, as structmember's T_OBJECT did (which
@@ -419,7 +424,7 @@ static PyObject *str_skipped_full, *str_observe_begin, *str_observe_end,
 static PyObject *str_finish, *str_finalize, *str_drain_blocking,
     *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
     *str_close, *str_status_kw, *str_wake_from_thread,
-    *str_finish_where;
+    *str_finish_where, *str_let_children_start;
 
 /* The hooks of the thread req began in, when that is the calling thread
  * and they are still the same (not after a fork, not uninstalled): its
@@ -599,6 +604,14 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
         if (own) {
             /* (a greenlet gone on to another request spawns for that one) */
             gqp_tracer_set_spawn_profile(st->tracer, key, p);
+            /* The span its detach began, if it is the one running: while
+             * it goes on, the greenlet has not switched (end_lingering). */
+            int64_t since = 0;
+            uint64_t rid = 0;
+            req->ling_span =
+                gqp_tracer_running_since(st->tracer, &since, &rid) == GQP_OK
+                && req->gid && PyLong_Check(req->gid) &&
+                rid == (uint64_t)gqp_long_as_ll(req->gid) ? since : 0;
         }
         PyObject *k = PyLong_FromVoidPtr(req->greenlet);
         PyObject *item = k ? PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req)
@@ -1367,12 +1380,20 @@ static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
     if (want_args(nargs, 5, "_begin_request") < 0) {
         return NULL;
     }
-    PyObject *ok = mw_arm(self, args + 2, 3);
-    if (!ok) {
-        return NULL;
+    gqp_py_thread *st = NULL;
+    for (int i = 0; i < 2 && !st; i++) {
+        /* (twice at most: armed() runs Python only the first time, when
+         * the greenlet yields before its next request, end_lingering) */
+        PyObject *ok = mw_arm(self, args + 2, 3);
+        if (!ok) {
+            return NULL;
+        }
+        Py_DECREF(ok);
+        st = armed(self);
+        if (!st && PyErr_Occurred()) {
+            return NULL;
+        }
     }
-    Py_DECREF(ok);
-    gqp_py_thread *st = armed(self);
     gqp_req *req = st ? open_request(self, st, args[0], args[1]) : NULL;
     if (!req) {
         if (PyErr_Occurred()) {
@@ -1381,6 +1402,105 @@ static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
         Py_RETURN_NONE;
     }
     return (PyObject *)req;
+}
+
+/* ---- a greenlet's next request ------------------------------------------ */
+
+/* The running greenlet (key) begins a request while its previous sampled
+ * one (in lingering) still waits for its children: from now on what it
+ * spawns is the new request's, and so are its blocking spans.  The
+ * children it spawned for the previous one are that one's, but a child
+ * joins a profile when it first runs: when the greenlet went straight on
+ * (HTTP pipelining: no switch since that response ended), their start
+ * callbacks are still queued in the hub's loop.  The greenlet then yields
+ * once (mw._let_children_start: what a request read from the socket does
+ * anyway) so that they start, and join the previous profile, first.
+ * 0, or -1 with a BaseException delivered to the greenlet while it
+ * yielded (GreenletExit, a Timeout: the caller passes it on); Python may
+ * have run: the caller looks its armed state up again. */
+static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *lingering,
+                         PyObject *requests, uint64_t key)
+{
+    PyObject *k = PyLong_FromUnsignedLongLong(key);
+    PyObject *prev = k ? PyDict_GetItemWithError(lingering, k) : NULL;
+    if (prev && PyObject_TypeCheck(prev, &gqp_req_type)) {
+        gqp_req *r = (gqp_req *)prev;
+        int64_t since = 0;
+        uint64_t id = 0;
+        if (r->ling_span && r->gid && PyLong_Check(r->gid) &&
+            gqp_tracer_running_since(st->tracer, &since, &id) == GQP_OK &&
+            since == r->ling_span &&
+            id == (uint64_t)gqp_long_as_ll(r->gid)) {
+            r->ling_span = 0;   /* (once) */
+            PyObject *res = PyObject_CallMethodNoArgs((PyObject *)mw,
+                                                      str_let_children_start);
+            if (!res && internal_error(mw, str_begin) < 0) {
+                /* (a GreenletExit or Timeout delivered while it yielded:
+                 * the greenlet's, which goes on) */
+                Py_DECREF(k);
+                return -1;
+            }
+            Py_XDECREF(res);
+            if (!st_live(st)) {
+                Py_DECREF(k);
+                return 0;   /* (the hooks stopped meanwhile) */
+            }
+            /* (finalized meanwhile, if its children were quick) */
+            prev = PyDict_GetItemWithError(lingering, k);
+        }
+    }
+    if (!prev) {
+        Py_XDECREF(k);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_INCREF(prev);
+    int rc = PyDict_DelItem(lingering, k);
+    if (rc == 0) {
+        gqp_tracer_set_spawn_profile(st->tracer, key, NULL);
+        forget_request_of(requests, prev);
+    } else {
+        PyErr_Clear();   /* (out of memory: it lingers on) */
+        rc = 0;
+    }
+    Py_DECREF(prev);
+    Py_DECREF(k);
+    return rc;
+}
+
+/* MiddlewareBase._end_lingering(hooks_address, engine, greenlet): Python's
+ * policy begins a request on the running greenlet (end_lingering). */
+static PyObject *mw_end_lingering(gqp_mw *self, PyObject *const *args,
+                                  Py_ssize_t nargs)
+{
+    if (want_args(nargs, 3, "_end_lingering") < 0) {
+        return NULL;
+    }
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!st || st != gqp__tls || !st->active || !st->tracer) {
+        Py_RETURN_NONE;   /* (not this thread's hooks) */
+    }
+    PyObject *lingering = PyObject_GetAttr(args[1], str_lingering);
+    PyObject *requests = lingering ? PyObject_GetAttr(args[1],
+                                                      str_requests_attr)
+                                   : NULL;
+    int rc = -1;
+    if (requests && PyDict_Check(lingering) && PyDict_Check(requests)) {
+        rc = end_lingering(self, st, lingering, requests,
+                           (uint64_t)(uintptr_t)args[2]);
+    } else if (requests) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_end_lingering: the engine's containers are not "
+                        "dicts");
+    }
+    Py_XDECREF(lingering);
+    Py_XDECREF(requests);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* ---- finalizing: the profile becomes a RequestProfile ------------------ */
@@ -1794,11 +1914,23 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             PyErr_Clear();
         }
         int wait = 0;
+        /* A request the finisher sees queued for the first time waits one
+         * pass: the children it spawned at its end may not have made
+         * their first switch (and joined its profile) yet.  Their start
+         * callbacks were queued before this pass ran, and the loop runs
+         * them before the finisher's next pass (after its sleep).  The
+         * finisher's wake-up is queued after them, but a finisher awake
+         * already, or woken by an earlier request, may run first.
+         * (Before: such a request was finalized with its children
+         * counted nowhere: a pipelined request ending its connection.) */
+        int first_look = !req->seen_queued;
+        req->seen_queued = 1;
         if (req->greenlet && req->greenlet != Py_None && !req->finalizing &&
             req->profile &&
             PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
             ((gqp_profref *)req->profile)->p &&
-            gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0 &&
+            (first_look ||
+             gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0) &&
             req->end_ns && PyLong_Check(req->end_ns)) {
             long long end = gqp_long_as_ll(req->end_ns);
             PyErr_Clear();
@@ -2038,6 +2170,7 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_acquire_calls, "acquire_calls"},
         {&str_release_calls, "release_calls"},
         {&str_abandoned, "abandoned"}, {&str_open_profile, "open profile"},
+        {&str_let_children_start, "_let_children_start"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

@@ -455,18 +455,25 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         return [f for f in _collect.func_stats([req.profile])
                 if not f.filename.startswith(_OWN_DIR)]
 
-    @staticmethod
-    def _stop_lingering(eng, g):
+    def _stop_lingering(self, eng, g):
         """g starts a new request while its previous sampled request still
         waits for its children: from now on, what g spawns is not that
-        request's."""
-        prev = eng.lingering.pop(id(g), None)
-        if prev is not None:
-            eng.tracer.set_spawn_profile(g, None)
-            # Nor are g's blocking spans from now on: they go to the
-            # request it begins.
-            if eng.requests.get(prev.gid) is prev:
-                del eng.requests[prev.gid]
+        request's, nor are g's blocking spans (C: end_lingering, which the
+        C path runs too)."""
+        self._end_lingering(eng.tracer.hooks_addr, eng, g)
+
+    @staticmethod
+    def _let_children_start():
+        """(end_lingering) The running greenlet went straight on to its
+        next request (HTTP pipelining) while its previous one waits for its
+        children: it yields once, so that the children it spawned for that
+        one and that have not run yet start, and join that profile, before
+        the next request begins (as when the next request is read from the
+        socket).  Not from the hub, which may not wait."""
+        import gevent
+        hub = gevent.get_hub()
+        if getcurrent() is not hub:
+            gevent.sleep(0)
 
     def _note_unsampled(self, environ):
         """An unsampled request: no profile, no wrapping of the response,

@@ -1308,27 +1308,113 @@ def _two_pipelined(first, second, extra_first=b""):
             b"Connection: close\r\n\r\n")
 
 
-@_xfail_bug("on a keep-alive connection, a child spawned by a request that "
-            "has not started yet when the next (pipelined) request begins "
-            "is attributed to the next request")
-def test_keepalive_child_stays_with_its_request(serve):
-    seen, gids = [], {}
+_TRIGGER = b"X-Trigger: " + SECRET.encode() + b"\r\n"
+_WRONG = b"X-Trigger: not-the-secret\r\n"
+
+
+@pytest.mark.parametrize("opts,first,second,second_sampled", [
+    ({"pct": 1.0}, b"", b"", True),
+    ({"pct": 1.0, "blocking_ms": None}, b"", b"", True),
+    ({"pct": 0.0}, _TRIGGER, b"", False),
+    ({"pct": 0.0, "blocking_ms": None}, _TRIGGER, b"", False),
+    ({"pct": 0.0}, _TRIGGER, _WRONG, False),
+    ({"pct": 0.0, "blocking_ms": None}, _TRIGGER, _WRONG, False),
+    ({"pct": 1.0}, b"", _TRIGGER, True),
+], ids=["sampled", "sampled-no-blocking", "then-unsampled",
+        "then-unsampled-no-blocking", "then-python-path",
+        "then-python-path-no-blocking", "then-trigger"])
+def test_pipelined_children_stay_with_their_requests(serve, opts, first,
+                                                     second, second_sampled):
+    """Two pipelined requests on one keep-alive connection, each spawning
+    a child it does not join: the second request begins before the first
+    one's child has run (no switch in between).  Each child is counted in
+    the request that spawned it, whichever path each request takes (C or
+    Python, sampled or not).  (Before: the first one's child was counted in
+    the second request, or in none.)"""
+    seen, gids = {"/one": [], "/two": []}, {}
 
     def app(environ, start_response):
         path = environ["PATH_INFO"]
         gids[path] = current_gid()
-        if path == "/one":
-            gevent.spawn(_child_loop, 1, seen)  # not joined
+        gevent.spawn(_child_loop, 1, seen[path])  # not joined
         return echo_path(environ, start_response)
 
-    s = serve(app, pct=1.0, linger=1.0)
-    raw = http_raw(s.port, _two_pipelined(b"/one", b"/two"))
+    s = serve(app, linger=1.0, trigger_header="X-Trigger",
+              trigger_secret=SECRET, **opts)
+    raw = http_raw(s.port, b"GET /one HTTP/1.1\r\nHost: x\r\n" + first +
+                   b"\r\nGET /two HTTP/1.1\r\nHost: x\r\n" + second +
+                   b"Connection: close\r\n\r\n")
     assert raw.count(b"HTTP/1.1 200 OK") == 2
-    one, two = s.profile_for("/one"), s.profile_for("/two")
+    wait_for(lambda: seen["/one"] and seen["/two"], what="both children")
+    one = s.profile_for("/one")
     assert gids["/one"] == gids["/two"]  # same connection greenlet
-    assert len(seen) == 1
-    assert span_gids(two) == {gids["/two"]}
-    assert span_gids(one) == {gids["/one"], seen[0]}
+    assert span_gids(one) == {gids["/one"], seen["/one"][0]}
+    if second_sampled:
+        two = s.profile_for("/two")
+        assert span_gids(two) == {gids["/two"], seen["/two"][0]}
+    else:
+        settle(0.1)
+        assert [p.path for p in s.profiles] == ["/one"]
+
+
+@pytest.mark.parametrize("opts", [{}, {"blocking_ms": None}],
+                         ids=["c-path", "no-blocking"])
+def test_pipelined_greenlet_killed_while_it_yields(serve, opts):
+    """The connection greenlet yields before a pipelined request so that
+    its previous request's children start; one of them kills it: the
+    GreenletExit goes on out of the middleware and the next request's app
+    never runs (not swallowed by greqprof)."""
+    ran = []
+    holder = {}
+
+    def killer():
+        holder["g"].throw(gevent.GreenletExit)   # at once, where it yields
+
+    def app(environ, start_response):
+        ran.append(environ["PATH_INFO"])
+        if environ["PATH_INFO"] == "/first":
+            gevent.spawn(killer)  # not joined: first runs in the yield
+        return echo_path(environ, start_response)
+
+    mw = serve(app, pct=1.0, linger=1.0, **opts).mw
+
+    def start_response(status, headers, exc_info=None):
+        pass
+
+    def connection():
+        for path in ("/first", "/second"):
+            body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": path},
+                      start_response)
+            b"".join(body)
+            body.close()
+        ran.append("after")
+    g = holder["g"] = gevent.spawn(connection)
+    g.join(DEADLINE)
+    assert ran == ["/first"]
+    assert g.dead and isinstance(g.value, gevent.GreenletExit), g.exception
+
+
+def test_pipelined_request_on_a_greenlet_that_is_not_gevents(serve):
+    """The yield that lets a pipelined request's predecessor's children
+    start is not taken from the hub (which may not wait): a middleware
+    called there directly (no server) still serves its requests."""
+    from gevent import get_hub
+    hub = get_hub()
+    mw = serve(echo_path, pct=1.0, linger=1.0).mw
+    out = []
+
+    def start_response(status, headers, exc_info=None):
+        out.append(status)
+
+    def in_hub():
+        for path in ("/h1", "/h2"):
+            body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": path},
+                      start_response)
+            out.append(b"".join(body))
+            body.close()
+    hub.loop.run_callback(in_hub)
+    wait_for(lambda: len(out) == 4, what="both requests in the hub")
+    assert out[0] == out[2] == "200 OK"
 
 
 def test_lingering_profile_does_not_take_the_next_unsampled_requests_child(
