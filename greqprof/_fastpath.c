@@ -523,8 +523,9 @@ static gqp_py_thread *armed_state(gqp_mw *self)
 
 /* Ends the lingering of the running greenlet's previous request as it
  * begins another (defined in _sampled.c, with the Request type). */
-static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *lingering,
-                         PyObject *requests, uint64_t key);
+static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *eng,
+                         PyObject *lingering, PyObject *requests,
+                         uint64_t key);
 
 /* This thread's state when self is armed for it, after ending the running
  * greenlet's previous lingering request; NULL when not armed, or NULL with
@@ -541,9 +542,11 @@ static gqp_py_thread *armed(gqp_mw *self)
         if (gqp_tracer_current(st->tracer, &key, NULL, NULL) != GQP_OK) {
             return NULL;
         }
+        PyObject *eng = Py_NewRef(self->armed_eng);
         PyObject *lingering = Py_NewRef(self->lingering);
         PyObject *requests = Py_NewRef(self->requests);
-        int rc = end_lingering(self, st, lingering, requests, key);
+        int rc = end_lingering(self, st, eng, lingering, requests, key);
+        Py_DECREF(eng);
         Py_DECREF(lingering);
         Py_DECREF(requests);
         if (rc < 0) {

@@ -94,6 +94,7 @@ static PyObject *hub_module_name;
 static PyObject *name_str;       /* "name", interned */
 static PyObject *run_str;        /* "_run" */
 static PyObject *spawning_str;   /* "spawning_greenlet" */
+static PyTypeObject *greenlet_type;   /* greenlet.greenlet, kept */
 static PyObject *co_filename_str, *co_name_str;
 static PyObject *fn_names;       /* code address -> (code, qualified name) */
 static PyObject *own_dir;       /* greqprof's package dir: its frames are
@@ -201,6 +202,9 @@ static int gqp_py_init(void)
         text_clean = tm ? PyObject_GetAttrString(tm, "clean") : NULL;
         Py_XDECREF(tm);
         PyErr_Clear();
+    }
+    if (gtype && PyType_Check(gtype) && !greenlet_type) {
+        greenlet_type = (PyTypeObject *)Py_NewRef(gtype);
     }
     if (gtype) {
         dead_getter = find_getter(gtype, "dead");

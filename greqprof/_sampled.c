@@ -424,7 +424,8 @@ static PyObject *str_skipped_full, *str_observe_begin, *str_observe_end,
 static PyObject *str_finish, *str_finalize, *str_drain_blocking,
     *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
     *str_close, *str_status_kw, *str_wake_from_thread,
-    *str_finish_where, *str_let_children_start;
+    *str_finish_where, *str_let_children_start, *str_hub, *str_loop,
+    *str_callbacks, *str_callback;
 
 /* The hooks of the thread req began in, when that is the calling thread
  * and they are still the same (not after a fork, not uninstalled): its
@@ -653,6 +654,10 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
                     (PyObject *)mw, str_wake_finisher_soon, eng);
                 is_woken = r ? 1 : -1;
                 Py_XDECREF(r);
+                /* The wake-up is queued after the start callbacks of the
+                 * children it spawned: the finisher's first look at it is
+                 * after their first switch (finish_pending_py). */
+                req->seen_queued = is_woken > 0;
             }
             rc = is_woken < 0 ? -1 : 0;
         }
@@ -1412,14 +1417,78 @@ static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
  * children it spawned for the previous one are that one's, but a child
  * joins a profile when it first runs: when the greenlet went straight on
  * (HTTP pipelining: no switch since that response ended), their start
- * callbacks are still queued in the hub's loop.  The greenlet then yields
- * once (mw._let_children_start: what a request read from the socket does
- * anyway) so that they start, and join the previous profile, first.
+ * callbacks may still be queued in the hub's loop (the next request was
+ * read at once: pipelined, or sent by a fast client while the response
+ * was closed).  The greenlet then yields once (mw._let_children_start:
+ * what a request read from the socket does anyway) so that they start,
+ * and join the previous profile, first: only when one of them does wait
+ * (child_waits_to_start), which a request that joined its children, the
+ * common case, never has.
  * 0, or -1 with a BaseException delivered to the greenlet while it
  * yielded (GreenletExit, a Timeout: the caller passes it on); Python may
  * have run: the caller looks its armed state up again. */
-static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *lingering,
-                         PyObject *requests, uint64_t key)
+/* Whether a greenlet that g spawned waits in the loop of eng's hub for
+ * its first switch: gevent starts a greenlet from a loop callback bound
+ * to its switch, so a callback bound to a greenlet this tracer has never
+ * seen run, whose spawning_greenlet is g.  Nothing but C runs here (the
+ * callbacks of every gevent loop, libev or libuv, C or cffi, are an
+ * iterable _callbacks).  1 when it cannot tell. */
+static int child_waits_to_start(gqp_py_thread *st, PyObject *eng,
+                                PyObject *g)
+{
+    PyObject *hub = PyObject_GetAttr(eng, str_hub);
+    PyObject *loop = hub && hub != Py_None ? PyObject_GetAttr(hub, str_loop)
+                                           : NULL;
+    PyObject *cbs = loop ? PyObject_GetAttr(loop, str_callbacks) : NULL;
+    PyObject *it = cbs && greenlet_type &&
+                   (PyList_Check(cbs) || PyObject_TypeCheck(cbs, &PyTuple_Type)
+                    || strcmp(Py_TYPE(cbs)->tp_name, "collections.deque") == 0
+                    || strcmp(Py_TYPE(cbs)->tp_name,
+                              "gevent.libev.corecext.CallbackFIFO") == 0)
+                   ? PyObject_GetIter(cbs) : NULL;
+    Py_XDECREF(loop);
+    Py_XDECREF(hub);
+    if (!it) {
+        Py_ssize_t n = cbs ? PyObject_Length(cbs) : -1;
+        Py_XDECREF(cbs);
+        PyErr_Clear();
+        return n != 0;
+    }
+    Py_DECREF(cbs);
+    int found = 0;
+    PyObject *cb;
+    while (!found && (cb = PyIter_Next(it))) {
+        PyObject *fn = PyObject_GetAttr(cb, str_callback);
+        PyObject *target = fn && PyCFunction_Check(fn)
+                               ? PyCFunction_GET_SELF(fn)
+                               : fn && PyMethod_Check(fn) ? PyMethod_GET_SELF(fn)
+                                                          : NULL;
+        uint64_t id = 0;
+        if (target && target != g && PyObject_TypeCheck(target, greenlet_type)
+            && gqp_tracer_greenlet_id(st->tracer,
+                                      (uint64_t)(uintptr_t)target,
+                                      &id) != GQP_OK) {
+            PyObject *ref = PyObject_GetAttr(target, spawning_str);
+            PyObject *spawner = NULL;
+            if (ref && PyWeakref_Check(ref) &&
+                PyWeakref_GetRef(ref, &spawner) > 0) {
+                found = spawner == g;
+            }
+            Py_XDECREF(spawner);
+            Py_XDECREF(ref);
+        }
+        Py_XDECREF(fn);
+        Py_DECREF(cb);
+        PyErr_Clear();
+    }
+    Py_DECREF(it);
+    PyErr_Clear();
+    return found;
+}
+
+static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *eng,
+                         PyObject *lingering, PyObject *requests,
+                         uint64_t key)
 {
     PyObject *k = PyLong_FromUnsignedLongLong(key);
     PyObject *prev = k ? PyDict_GetItemWithError(lingering, k) : NULL;
@@ -1430,7 +1499,8 @@ static int end_lingering(gqp_mw *mw, gqp_py_thread *st, PyObject *lingering,
         if (r->ling_span && r->gid && PyLong_Check(r->gid) &&
             gqp_tracer_running_since(st->tracer, &since, &id) == GQP_OK &&
             since == r->ling_span &&
-            id == (uint64_t)gqp_long_as_ll(r->gid)) {
+            id == (uint64_t)gqp_long_as_ll(r->gid) &&
+            child_waits_to_start(st, eng, r->greenlet)) {
             r->ling_span = 0;   /* (once) */
             PyObject *res = PyObject_CallMethodNoArgs((PyObject *)mw,
                                                       str_let_children_start);
@@ -1488,7 +1558,7 @@ static PyObject *mw_end_lingering(gqp_mw *self, PyObject *const *args,
                                    : NULL;
     int rc = -1;
     if (requests && PyDict_Check(lingering) && PyDict_Check(requests)) {
-        rc = end_lingering(self, st, lingering, requests,
+        rc = end_lingering(self, st, args[1], lingering, requests,
                            (uint64_t)(uintptr_t)args[2]);
     } else if (requests) {
         PyErr_SetString(PyExc_TypeError,
@@ -1874,7 +1944,8 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
  * engine's finisher over its queue of (middleware, request): requests
  * whose greenlets are all done, or whose linger ran out, are finalized;
  * the others stay queued.  Items queued meanwhile (a sink may switch) are
- * looked at in the same pass. */
+ * looked at in the same pass.  True when a request waits for greenlets
+ * still running (the finisher comes back soon). */
 static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
                                    Py_ssize_t nargs)
 {
@@ -1893,6 +1964,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
     if (!waiting) {
         return NULL;
     }
+    int children = 0;   /* a request waits for greenlets still running */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pending); i++) {
         PyObject *item = Py_NewRef(PyList_GET_ITEM(pending, i));
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 ||
@@ -1915,26 +1987,32 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         }
         int wait = 0;
         /* A request the finisher sees queued for the first time waits one
-         * pass: the children it spawned at its end may not have made
-         * their first switch (and joined its profile) yet.  Their start
-         * callbacks were queued before this pass ran, and the loop runs
-         * them before the finisher's next pass (after its sleep).  The
-         * finisher's wake-up is queued after them, but a finisher awake
-         * already, or woken by an earlier request, may run first.
-         * (Before: such a request was finalized with its children
-         * counted nowhere: a pipelined request ending its connection.) */
+         * pass, unless it woke the finisher itself: the children it
+         * spawned at its end may not have made their first switch (and
+         * joined its profile) yet.  Their start callbacks were queued
+         * before this pass ran, and the loop runs them before the
+         * finisher's next pass (after its sleep).  A wake-up a request
+         * queues comes after them, but a finisher awake already, or woken
+         * by an earlier request, may run first.  (Before: such a request
+         * was finalized with its children counted nowhere: a pipelined
+         * request ending its connection.) */
         int first_look = !req->seen_queued;
         req->seen_queued = 1;
+        int attached = req->profile &&
+            PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
+            ((gqp_profref *)req->profile)->p &&
+            gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0;
         if (req->greenlet && req->greenlet != Py_None && !req->finalizing &&
             req->profile &&
             PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
-            ((gqp_profref *)req->profile)->p &&
-            (first_look ||
-             gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0) &&
+            ((gqp_profref *)req->profile)->p && (first_look || attached) &&
             req->end_ns && PyLong_Check(req->end_ns)) {
             long long end = gqp_long_as_ll(req->end_ns);
             PyErr_Clear();
             wait = now < end + mw->linger_ns;
+            /* (a first look alone does not make the finisher come back
+             * sooner than its batch interval) */
+            children |= wait && attached;
         }
         if (wait) {
             if (PyList_Append(waiting, item) < 0) {
@@ -1974,7 +2052,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
     if (rc < 0) {
         return NULL;
     }
-    return PyBool_FromLong(PyList_GET_SIZE(pending) > 0);
+    return PyBool_FromLong(children);
 }
 
 /* MiddlewareBase._build_profile(tracer, request, snapshot, calls): the
@@ -2171,6 +2249,8 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_release_calls, "release_calls"},
         {&str_abandoned, "abandoned"}, {&str_open_profile, "open profile"},
         {&str_let_children_start, "_let_children_start"},
+        {&str_hub, "hub"}, {&str_loop, "loop"}, {&str_callbacks, "_callbacks"},
+        {&str_callback, "callback"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

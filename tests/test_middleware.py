@@ -1357,6 +1357,32 @@ def test_pipelined_children_stay_with_their_requests(serve, opts, first,
         assert [p.path for p in s.profiles] == ["/one"]
 
 
+@pytest.mark.parametrize("join", [True, False], ids=["joined", "not-joined"])
+def test_pipelined_request_yields_only_for_a_child_not_started(serve, join):
+    """The yield before a pipelined request is taken only when the previous
+    request spawned a greenlet that still waits to start: not for a request
+    that joined its children (the common case, which under load often has
+    its next request read at once, pipelined or not)."""
+    yields = []
+
+    def app(environ, start_response):
+        child = gevent.spawn(_child_loop, 0, [])
+        if join:
+            child.join()
+        return echo_path(environ, start_response)
+
+    s = serve(app, pct=1.0, linger=1.0)
+    let_start = s.mw._let_children_start
+
+    def counted():
+        yields.append(1)
+        let_start()
+    s.mw._let_children_start = counted
+    raw = http_raw(s.port, _two_pipelined(b"/one", b"/two"))
+    assert raw.count(b"HTTP/1.1 200 OK") == 2
+    assert len(yields) == (0 if join else 1)
+
+
 @pytest.mark.parametrize("opts", [{}, {"blocking_ms": None}],
                          ids=["c-path", "no-blocking"])
 def test_pipelined_greenlet_killed_while_it_yields(serve, opts):
