@@ -1944,8 +1944,10 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
  * engine's finisher over its queue of (middleware, request): requests
  * whose greenlets are all done, or whose linger ran out, are finalized;
  * the others stay queued.  Items queued meanwhile (a sink may switch) are
- * looked at in the same pass.  True when a request waits for greenlets
- * still running (the finisher comes back soon). */
+ * looked at in the same pass.  1 when a request waits for greenlets
+ * still running (the finisher comes back soon), 2 when requests wait only
+ * for a first look (it comes back once the loop has run its callbacks),
+ * else 0. */
 static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
                                    Py_ssize_t nargs)
 {
@@ -1965,6 +1967,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         return NULL;
     }
     int children = 0;   /* a request waits for greenlets still running */
+    int first_only = 0;   /* a request waits only for its first look */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pending); i++) {
         PyObject *item = Py_NewRef(PyList_GET_ITEM(pending, i));
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 ||
@@ -2010,9 +2013,8 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             long long end = gqp_long_as_ll(req->end_ns);
             PyErr_Clear();
             wait = now < end + mw->linger_ns;
-            /* (a first look alone does not make the finisher come back
-             * sooner than its batch interval) */
             children |= wait && attached;
+            first_only |= wait && !attached;
         }
         if (wait) {
             if (PyList_Append(waiting, item) < 0) {
@@ -2052,7 +2054,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
     if (rc < 0) {
         return NULL;
     }
-    return PyBool_FromLong(children);
+    return PyLong_FromLong(children ? 1 : first_only ? 2 : 0);
 }
 
 /* MiddlewareBase._build_profile(tracer, request, snapshot, calls): the

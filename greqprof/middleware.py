@@ -1174,7 +1174,17 @@ def _finish_pending_forever(eng):
         # Up and about to look at `pending`: nobody needs to wake it.
         eng.finisher_woken = True
         # (in C: finalizes the queued requests that are done)
-        if _registry.finish_pending(eng, eng.pending, _lowlevel.wall_ns()):
+        waiting = _registry.finish_pending(eng, eng.pending,
+                                           _lowlevel.wall_ns())
+        if waiting == 2:
+            # Requests seen queued for the first time: the start callbacks
+            # of children they spawned run before this greenlet's next
+            # turn, then they are looked at again (once per round: more
+            # first looks wait for the next round).
+            gevent.sleep(0)
+            waiting = _registry.finish_pending(eng, eng.pending,
+                                               _lowlevel.wall_ns())
+        if waiting == 1:
             gevent.sleep(0.005)
             continue
         gevent.sleep(FINISH_BATCH_S)
