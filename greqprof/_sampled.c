@@ -1110,7 +1110,7 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     int trigger = sampled && sampled_by != str_pct &&
                   PyUnicode_Check(sampled_by) &&
                   PyUnicode_CompareWithASCIIString(sampled_by, "trigger") == 0;
-    if (!self->armed_eng || !self->profile_type || st != armed_state(self)) {
+    if (!self->profile_type || st != armed_state(self)) {   /* (armed_eng too) */
         return NULL;
     }
     /* This thread's engine, taken now, while self is armed for it: the
@@ -2001,14 +2001,11 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
          * request ending its connection.) */
         int first_look = !req->seen_queued;
         req->seen_queued = 1;
-        int attached = req->profile &&
-            PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
-            ((gqp_profref *)req->profile)->p &&
-            gqp_profile_attached(((gqp_profref *)req->profile)->p) > 0;
+        int profiled = has_profile(req);
+        int attached = profiled && gqp_profile_attached(
+                                       ((gqp_profref *)req->profile)->p) > 0;
         if (req->greenlet && req->greenlet != Py_None && !req->finalizing &&
-            req->profile &&
-            PyObject_TypeCheck(req->profile, &gqp_profref_type) &&
-            ((gqp_profref *)req->profile)->p && (first_look || attached) &&
+            profiled && (first_look || attached) &&
             req->end_ns && PyLong_Check(req->end_ns)) {
             long long end = gqp_long_as_ll(req->end_ns);
             PyErr_Clear();

@@ -239,6 +239,16 @@ def _two_thread_middleware():
     return mw, profiles
 
 
+def _serve_one(mw, path, rid):
+    """A pywsgi server of mw in the calling thread serves one request."""
+    server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+    server.start()
+    try:
+        assert _http_get(server.server_port, path, rid) == b"HTTP/1.1 200 OK"
+    finally:
+        server.stop()
+
+
 def _in_thread(fn):
     """fn() in a new OS thread (its own hub), its exception re-raised."""
     out = []
@@ -277,15 +287,7 @@ def test_request_begun_while_another_thread_arms_the_middleware():
                 other.request()
         mw._join = join_then_let_b_arm
 
-        def thread_a():
-            server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
-            server.start()
-            try:
-                assert _http_get(server.server_port, "/a", "a-0") == \
-                    b"HTTP/1.1 200 OK"
-            finally:
-                server.stop()
-        _in_thread(thread_a)
+        _in_thread(lambda: _serve_one(mw, "/a", "a-0"))
     finally:
         other.close()
     assert sorted(profiles) == ["a-0", "other-0", "other-1"], mw.stats
@@ -359,16 +361,8 @@ def test_request_forwarded_to_the_middleware_after_another_thread_armed_it():
     mw.app = forwarding
     served["other"] = other = _OtherThread(mw)
 
-    def thread_a():
-        server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
-        server.start()
-        try:
-            assert _http_get(server.server_port, "/outer", "a-0") == \
-                b"HTTP/1.1 200 OK"
-        finally:
-            server.stop()
     try:
-        _in_thread(thread_a)
+        _in_thread(lambda: _serve_one(mw, "/outer", "a-0"))
     finally:
         other.close()
     assert sorted(profiles) == ["a-0", "other-0"], mw.stats
