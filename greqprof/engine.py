@@ -172,7 +172,7 @@ def _new_engine(config):
         return Engine(config)
     except ProfilerStateError:
         from .profiler import _session_of_thread
-        session = _session_of_thread(real_get_ident())
+        session = _session_of_thread()
         if session is None:
             raise
         session.tracer.uninstall()
