@@ -158,6 +158,7 @@ def engine_for_thread(config):
     _local.engine = eng
     with _engines_lock:
         _engines[eng.thread_ident] = eng
+    _watch_thread_end(eng)
     if config.watchdog and config.blocking_ns:
         Watchdog.ensure(config.blocking_ns)
     return eng
@@ -179,6 +180,79 @@ def _new_engine(config):
         eng = Engine(config)
         session.share(eng)
         return eng
+
+
+def _watch_thread_end(eng):
+    """eng's requests are finished when its thread ends: nothing else
+    would ever deliver them or give their max_open slots back."""
+    tok = _lowlevel.thread_token()
+    ref = weakref.ref(eng)
+    # (engines replaced in this thread, shutdown(), are let go of)
+    tok.on_exit[:] = [fn for fn in tok.on_exit
+                      if getattr(fn, "engine", lambda: None)() is not None
+                      and not fn.engine().abandoned]
+
+    def ended():
+        e = ref()
+        if e is not None:
+            thread_ended(e)
+    ended.engine = ref
+    tok.on_exit.append(ended)
+
+
+def thread_ended(eng):
+    """eng's thread is ending (called in it, as CPython drops its
+    thread-locals; its hub may be gone already): its queued requests are
+    delivered as they are, its open ones truncated (their responses will
+    never end), every slot given back, and the engine dropped with its
+    hooks."""
+    if eng.abandoned or eng.pid != os.getpid() or \
+            eng.thread_ident != real_get_ident():
+        return   # (a forked child drops the parent's threads: not ours)
+    now = _lowlevel.wall_ns()
+    try:
+        for mw, req in list(eng.pending):
+            _quietly(mw._finalize, eng, req)
+        for req in list(eng.profile_requests.values()) + \
+                list(eng.requests.values()):
+            mw = req.owner
+            if mw is None or req.finalizing or req.greenlet is None:
+                continue
+            if mw.observers and not req.done:
+                _quietly(mw._observe_end, req)
+            if req.profile is not None and not req.done:
+                _quietly(mw._truncate, eng, req, now)
+            else:
+                _quietly(mw._finalize, eng, req)
+    finally:
+        # Whatever is left (an error above) is released undelivered.
+        eng.abandon()
+        for req in list(eng.profile_requests.values()) + \
+                list(eng.requests.values()):
+            if req.owner is not None:
+                _quietly(req.owner._finalize, eng, req)
+        del eng.pending[:]
+        eng.lingering.clear()
+        for mw in list(eng.middlewares):
+            if mw._engine is eng:
+                mw._engine = None
+        with _engines_lock:
+            if _engines.get(eng.thread_ident) is eng:
+                del _engines[eng.thread_ident]
+                _registry.hub_ids.pop(eng.thread_ident, None)
+        try:
+            eng.stop()
+        except Exception:
+            pass
+
+
+def _quietly(fn, *args):
+    # (each request on its own: a sink's error is the middleware's to
+    # log, and a BaseException must not stop the others)
+    try:
+        fn(*args)
+    except BaseException:
+        pass
 
 
 def fork_generation():
