@@ -510,11 +510,43 @@ static gqp_profile *greenlet_profile(gqp_py_thread *st, PyObject *g)
  * request, whatever the options, ends here.  0, or -1 with a
  * BaseException set (raised in a hook) that goes on once req is queued or
  * finalized. */
+/* req, finished in a thread other than its own, goes back to its
+ * engine's queue, and that thread's finisher is woken: it detaches the
+ * greenlet (its tracer is that thread's) before the greenlet's next
+ * request records into the profile, tells the observers, and finalizes
+ * it.  -1 when it cannot (the engine abandoned: a forked child's copy,
+ * or its thread gone, which released it). */
+static int queue_for_owner(gqp_mw *mw, gqp_req *req, PyObject *eng)
+{
+    if (!eng || engine_abandoned(eng)) {
+        return -1;
+    }
+    PyObject *pending = PyObject_GetAttr(eng, str_pending);
+    PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
+    int rc = pending && item && PyList_Check(pending) &&
+             PyList_Append(pending, item) == 0 ? 0 : -1;
+    Py_XDECREF(pending);
+    Py_XDECREF(item);
+    PyErr_Clear();
+    if (rc == 0) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                str_wake_from_thread, eng);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+    return rc;
+}
+
 static int req_finish(gqp_mw *mw, gqp_req *req)
 {
     if (req->done == Py_True) {
         if (req->truncated == Py_True && !req->end_seen && mw->observers &&
-            req->st && req->st == gqp__tls) {
+            req->st) {
+            if (req->st != gqp__tls) {
+                /* (its thread's finisher tells the observers) */
+                queue_for_owner(mw, req, req->engine);
+                return 0;
+            }
             /* Closed by max_lifetime while it went on: observers still
              * hear of its response's end (their span is open until
              * then), without a snapshot. */
@@ -536,28 +568,12 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     if (!st || !eng) {
         /* Not in the thread (or the process) it began in: a forked
          * child's copy is the parent's to report; another thread's goes
-         * back to its engine, whose finisher (or reaper) finalizes it. */
-        int rc = 0;
-        if (sampled && eng && !engine_abandoned(eng)) {
-            PyObject *pending = PyObject_GetAttr(eng, str_pending);
-            PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
-            rc = pending && item && PyList_Check(pending) &&
-                 PyList_Append(pending, item) == 0 ? 0 : -1;
-            Py_XDECREF(pending);
-            Py_XDECREF(item);
-            PyErr_Clear();
-            if (rc == 0) {
-                /* Its thread's finisher, woken now, detaches the greenlet
-                 * (its tracer is that thread's) before the greenlet's
-                 * next request records into this profile. */
-                PyObject *r = PyObject_CallMethodOneArg(
-                    (PyObject *)mw, str_wake_from_thread, eng);
-                Py_XDECREF(r);
-                PyErr_Clear();
-            }
-        } else {
-            rc = -1;
-        }
+         * back to its engine, whose finisher (or reaper) finalizes it,
+         * and tells the observers.  (Before: an observed request
+         * without a profile was dropped here, left in its engine for
+         * good, and observers never heard of its end.) */
+        int rc = sampled || mw->observers ? queue_for_owner(mw, req, eng)
+                                          : -1;
         if (rc < 0) {
             Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
         }
@@ -1966,6 +1982,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
     if (!waiting) {
         return NULL;
     }
+    int keep = 0;   /* a BaseException: the request stays queued */
     int children = 0;   /* a request waits for greenlets still running */
     int first_only = 0;   /* a request waits only for its first look */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pending); i++) {
@@ -1987,6 +2004,16 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
              * thread's tracer: its greenlet leaves the profile now. */
             attach_greenlet(rst, req->greenlet, NULL);
             PyErr_Clear();
+        }
+        if (mw->observers && !req->end_seen && req->done == Py_True &&
+            req->st == gqp__tls) {
+            /* Finished from another thread (in its own, observers hear
+             * of it there): they hear of it here, in the request's. */
+            req->end_seen = 1;
+            if (lifecycle_hook(mw, str_observe_end, req) < 0) {
+                keep = 1;   /* (finalized in a later pass) */
+                goto stop;
+            }
         }
         int wait = 0;
         /* A request the finisher sees queued for the first time waits one
@@ -2025,8 +2052,12 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             if (!r && internal_error(mw, str_finish_where) < 0) {
                 /* A BaseException (the finisher killed) goes on; what
                  * this pass did not look at stays queued. */
-                Py_DECREF(item);
+stop:;
                 PyObject *value = PyErr_GetRaisedException();
+                if (keep && PyList_Append(waiting, item) < 0) {
+                    PyErr_Clear();
+                }
+                Py_DECREF(item);
                 for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(pending);
                      j++) {
                     if (PyList_Append(waiting,

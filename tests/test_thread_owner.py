@@ -173,7 +173,6 @@ def _ok_app(environ, start_response):
     return [b"o", b"k"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: issue 22 item 2")
 @pytest.mark.parametrize("how", ["close", "collect"])
 @pytest.mark.parametrize("pct", [0.0, 1.0])
 def test_body_finished_in_writer_thread_with_observers(how, pct):
