@@ -658,6 +658,16 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
         return call_method2((PyObject *)self, str_call_slow, environ,
                             start_response);
     }
+    if (!self->blocking && gqp__tls && gqp__tls->open_profiles > 0 &&
+        !armed_state(self)) {
+        /* Armed for another thread, and this one has sampled profiles
+         * open: one may be the running greenlet's previous request, still
+         * lingering, which Python ends (_begin) before what the greenlet
+         * spawns goes to it.  (Before: it went there, when two threads
+         * shared the middleware with blocking_ms=None.) */
+        return call_method2((PyObject *)self, str_call_slow, environ,
+                            start_response);
+    }
     int sampled = 0;
     if (self->pct >= 1.0) {
         sampled = 1;

@@ -237,7 +237,6 @@ def test_body_finished_in_writer_thread_with_observers(how, pct):
 # ---------------------------------------------------------------------------
 # item 6: blocking_ms=None, two threads, an unsampled request's child
 
-@pytest.mark.xfail(strict=True, reason="bug: issue 22 item 6")
 def test_unsampled_child_not_in_lingering_profile_with_two_threads():
     """blocking_ms=None; thread A serves a sampled request that lingers
     (a child still running), thread B then serves one (which arms the
