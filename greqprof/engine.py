@@ -218,12 +218,15 @@ def thread_ended(eng):
             mw = req.owner
             if mw is None or req.finalizing or req.greenlet is None:
                 continue
-            if mw.observers and not req.done:
-                _quietly(mw._observe_end, req)
-            if req.profile is not None and not req.done:
-                _quietly(mw._truncate, eng, req, now)
-            else:
-                _quietly(mw._finalize, eng, req)
+            if not req.done:
+                # (its response ends now, as far as anyone will know)
+                if mw.observers:
+                    req.end_ns = now
+                    _quietly(mw._observe_end, req)
+                if req.profile is not None:
+                    _quietly(mw._truncate, eng, req, now)
+                    continue
+            _quietly(mw._finalize, eng, req)
     finally:
         # Whatever is left (an error above) is released undelivered.
         eng.abandon()
