@@ -186,18 +186,27 @@ def _watch_thread_end(eng):
     """eng's requests are finished when its thread ends: nothing else
     would ever deliver them or give their max_open slots back."""
     tok = _lowlevel.thread_token()
-    ref = weakref.ref(eng)
-    # (engines replaced in this thread, shutdown(), are let go of)
-    tok.on_exit[:] = [fn for fn in tok.on_exit
-                      if getattr(fn, "engine", lambda: None)() is not None
-                      and not fn.engine().abandoned]
+    # (engines shut down in this thread are let go of)
+    tok.on_exit[:] = [fn for fn in tok.on_exit if fn.live()]
+    tok.on_exit.append(_EndOfThread(eng))
 
-    def ended():
-        e = ref()
-        if e is not None:
-            thread_ended(e)
-    ended.engine = ref
-    tok.on_exit.append(ended)
+
+class _EndOfThread:
+    """thread_ended(engine), called as the engine's thread ends."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, eng):
+        self.ref = weakref.ref(eng)
+
+    def live(self):
+        eng = self.ref()
+        return eng is not None and not eng.abandoned
+
+    def __call__(self):
+        eng = self.ref()
+        if eng is not None:
+            thread_ended(eng)
 
 
 def thread_ended(eng):
@@ -211,8 +220,12 @@ def thread_ended(eng):
         return   # (a forked child drops the parent's threads: not ours)
     now = _lowlevel.wall_ns()
     try:
-        for mw, req in list(eng.pending):
-            _quietly(mw._finalize, eng, req)
+        # The finisher's pass (C), as if every linger were over: it also
+        # tells observers of requests finished from other threads.
+        for _ in range(3):   # (a BaseException stops a pass)
+            if eng.pending:
+                _quietly(_registry.finish_pending, eng, eng.pending,
+                         _NO_LINGER_NS)
         for req in list(eng.profile_requests.values()) + \
                 list(eng.requests.values()):
             mw = req.owner
@@ -247,6 +260,10 @@ def thread_ended(eng):
             eng.stop()
         except Exception:
             pass
+
+
+#: a finish_pending time past every request's linger
+_NO_LINGER_NS = 1 << 62
 
 
 def _quietly(fn, *args):
