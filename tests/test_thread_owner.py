@@ -125,6 +125,36 @@ def _http_get_ok(mw, path, rid):
         server.stop()
 
 
+def test_thread_ending_with_a_sink_that_switches():
+    """The same end, with a sink that waits through gevent (the thread's
+    hub may be gone by then): every profile delivered once."""
+    got = []
+
+    def sink(p):
+        gevent.sleep(0.001)
+        got.append((p.request_id, p.truncated))
+    mw = ProfilingMiddleware(_ending_app, pct=1.0, linger=30, report=False,
+                             sink=sink, blocking_ms=None)
+
+    def serve():
+        server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        server.start()
+        assert _http_get(server.server_port, "/linger",
+                         "linger") == b"HTTP/1.1 200 OK"
+        sock = socket.create_connection(("127.0.0.1", server.server_port),
+                                        timeout=20)
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: t\r\n"
+                     b"X-Request-ID: stream\r\n\r\n")
+        _read_until(sock, b"first\n")
+        sock.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    t.join(30)
+    assert sorted(got) == [("linger", False), ("stream", True)]
+    assert mw._open == 0 and mw.stats["errors"] == 0
+
+
 def test_many_threads_ending_with_queued_requests_keep_sampling():
     """More threads than max_open end with a request queued each: the
     slots all come back."""
