@@ -1956,6 +1956,26 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     return res;
 }
 
+/* finish_pending's pass stopped by a BaseException (set), which goes on:
+ * the queue keeps what waits and what the pass did not finish (from
+ * index `from` on). */
+static PyObject *pass_stopped(PyObject *pending, PyObject *waiting,
+                              Py_ssize_t from)
+{
+    PyObject *value = PyErr_GetRaisedException();
+    for (Py_ssize_t j = from; j < PyList_GET_SIZE(pending); j++) {
+        if (PyList_Append(waiting, PyList_GET_ITEM(pending, j)) < 0) {
+            break;
+        }
+    }
+    PyErr_Clear();
+    PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending), waiting);
+    Py_DECREF(waiting);
+    PyErr_Clear();
+    PyErr_SetRaisedException(value);
+    return NULL;
+}
+
 /* _registry.finish_pending(engine, pending, now): one pass of the
  * engine's finisher over its queue of (middleware, request): requests
  * whose greenlets are all done, or whose linger ran out, are finalized;
@@ -1982,7 +2002,6 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
     if (!waiting) {
         return NULL;
     }
-    int keep = 0;   /* a BaseException: the request stays queued */
     int children = 0;   /* a request waits for greenlets still running */
     int first_only = 0;   /* a request waits only for its first look */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pending); i++) {
@@ -2011,8 +2030,8 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
              * of it there): they hear of it here, in the request's. */
             req->end_seen = 1;
             if (lifecycle_hook(mw, str_observe_end, req) < 0) {
-                keep = 1;   /* (finalized in a later pass) */
-                goto stop;
+                Py_DECREF(item);   /* (it stays queued: finalized later) */
+                return pass_stopped(pending, waiting, i);
             }
         }
         int wait = 0;
@@ -2052,26 +2071,8 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             if (!r && internal_error(mw, str_finish_where) < 0) {
                 /* A BaseException (the finisher killed) goes on; what
                  * this pass did not look at stays queued. */
-stop:;
-                PyObject *value = PyErr_GetRaisedException();
-                if (keep && PyList_Append(waiting, item) < 0) {
-                    PyErr_Clear();
-                }
                 Py_DECREF(item);
-                for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(pending);
-                     j++) {
-                    if (PyList_Append(waiting,
-                                      PyList_GET_ITEM(pending, j)) < 0) {
-                        break;
-                    }
-                }
-                PyErr_Clear();
-                PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending),
-                                waiting);
-                Py_DECREF(waiting);
-                PyErr_Clear();
-                PyErr_SetRaisedException(value);
-                return NULL;
+                return pass_stopped(pending, waiting, i + 1);
             }
             Py_XDECREF(r);
         }
