@@ -2227,6 +2227,28 @@ static PyMethodDef new_profile_def = {
     "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
     METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
 
+/* _registry.unset_profiles(tracer): the tracer's default and session
+ * profiles set to none, the GIL held all along: from a thread other than
+ * the tracer's, this is ordered with its hooks (which hold the GIL), where
+ * a cffi call would release it.  GQP_OK or a negative GQP_E* code. */
+static PyObject *unset_profiles_py(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int rc = t ? gqp_tracer_set_session(t, NULL) : GQP_EINVAL;
+    if (rc == GQP_OK) {
+        rc = gqp_tracer_set_default(t, NULL);
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef unset_profiles_def = {
+    "unset_profiles", (PyCFunction)unset_profiles_py, METH_O,
+    "unset_profiles(tracer) (internal)."};
+
 /* Registers this file's types and functions in _registry.  0 or -1. */
 static int gqp_py_sampled_init(PyObject *reg)
 {
@@ -2286,7 +2308,7 @@ static int gqp_py_sampled_init(PyObject *reg)
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
                            &new_profile_def, &set_spawn_profile_def,
                            &finish_pending_def, &greenlet_profile_def,
-                           &open_profiles_def};
+                           &open_profiles_def, &unset_profiles_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

@@ -4,7 +4,7 @@ import sys
 import threading
 import weakref
 
-from . import _collect
+from . import _collect, _lowlevel, _registry
 from ._lowlevel import RawProfile, RawTracer, real_get_ident
 from .errors import ConfigError, ProfilerStateError
 
@@ -100,7 +100,11 @@ class _Session:
         self.engine = eng
 
     def end(self, calls):
+        """Stops recording into this session, from any thread: only the
+        session's own thread touches its hooks (the call hook is a
+        per-thread setting), another thread asks it through its hub."""
         if self.engine is None:
+            # (from another thread the hooks only go quiet, under the GIL)
             self.tracer.uninstall()
             return
         # The middleware goes on: its hooks stay, the thread's greenlets
@@ -108,12 +112,31 @@ class _Session:
         eng, self.engine = self.engine, None
         if getattr(eng, "session", None) is self:
             eng.session = None
-        if not eng.abandoned:
+        if eng.abandoned:
+            return
+        if eng.thread_ident == real_get_ident():
             self.tracer.set_session(None)
             self.tracer.set_default(None)
             if calls:
                 eng.release_calls()
             eng.profile_closed()
+            return
+        # Another thread's engine: detached now, with the GIL held (its
+        # hooks record nothing more here); its call hook is released by
+        # its own thread, the next time its loop runs.
+        _lowlevel._check(_registry.unset_profiles(eng.tracer.addr),
+                         "unset_profiles")
+        eng.profile_closed()
+        if calls and eng.hub is not None:
+            eng.hub.loop.run_callback_threadsafe(_release_calls, eng)
+
+
+def _release_calls(eng):
+    # (runs in eng's thread, from its hub)
+    try:
+        eng.release_calls()
+    except Exception:  # the engine went away meanwhile: nothing to release
+        pass
 
 
 class Profiler:
@@ -266,7 +289,10 @@ class Profiler:
         with self._lock:
             sessions = list(self._sessions)
         for s in sessions:
-            s.end(self.calls)
+            try:
+                s.end(self.calls)
+            except Exception:  # (never raise: end every other session)
+                pass
 
     def _forked(self, me):
         with self._lock:

@@ -100,3 +100,116 @@ def test_a_profiler_beside_a_middleware_keeps_its_own_clock(serve):
     req = [f for f in s.profile_for("/x").calls
            if f.name == "waits_and_sleeps"]
     assert len(req) == 1 and req[0].ttot < WAIT / 2, req
+
+
+# ---------------------------------------------------------------------------
+# item 5: Profiler.stop() and the threads started after start()
+
+class _ServingThread:
+    """An OS thread with its own hub serving mw on a pywsgi server of its
+    own; do(fn) runs fn in that thread (in a greenlet of its hub) and
+    returns its result, the calling thread waiting."""
+
+    def __init__(self, mw):
+        self.mw, self.failures = mw, []
+        self.jobs, self.lock = [], threading.Lock()
+        self.ready, self.stop = threading.Event(), False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(20), self.failures
+
+    def _run(self):
+        from greqprof import engine
+        try:
+            self.server = pywsgi.WSGIServer(("127.0.0.1", 0), self.mw,
+                                            log=None)
+            self.server.start()
+            self.ready.set()
+            while not self.stop:
+                with self.lock:
+                    jobs, self.jobs[:] = list(self.jobs), []
+                for fn, out, done in jobs:
+                    try:
+                        out.append(fn())
+                    except BaseException as e:
+                        out.append(e)
+                    done.set()
+                gevent.sleep(0.002)
+            self.server.stop()
+        except BaseException as e:  # reported by the test
+            self.failures.append(repr(e))
+            self.ready.set()
+        finally:
+            engine.shutdown()
+
+    def do(self, fn):
+        out, done = [], threading.Event()
+        with self.lock:
+            self.jobs.append((fn, out, done))
+        assert done.wait(20), "the thread did not run the job"
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
+
+    def request(self, path):
+        return self.do(lambda: http(self.server.server_port, path).status)
+
+    def close(self):
+        self.stop = True
+        self.thread.join(20)
+        assert not self.thread.is_alive()
+        assert self.failures == []
+
+
+def _hooks_of_this_thread():
+    """(call hook installed, the engine's calls_users) in this thread."""
+    import sys
+    from greqprof import engine
+    eng = engine.current_engine()
+    return sys.getprofile() is not None, eng.calls_users
+
+
+def test_stop_ends_the_sessions_of_threads_serving_a_middleware():
+    """Two threads started after Profiler.start() serve a middleware (each
+    engine takes the thread's hooks over, the Profiler's session joins
+    it).  stop() from the starting thread does not raise, ends both
+    sessions (nothing more recorded for the Profiler), and each thread's
+    call hook goes off once no sampled request wants it.  Before: stop()
+    raised LibraryError (GQP_ESTATE: it released the other thread's call
+    hook from the wrong thread), the second session was never ended and
+    the hook stayed on."""
+    work = make_function("work_of_a_thread_started_after_start")
+    profiles = []
+
+    def app(environ, start_response):
+        work()
+        start_response("200 OK", [("Content-Length", "2")])
+        return [b"ok"]
+
+    mw = greqprof.ProfilingMiddleware(app, pct=1.0, linger=0, calls=True,
+                                      report=False, sink=profiles.append,
+                                      blocking_ms=None)
+    threads = []
+    try:
+        prof = greqprof.Profiler(calls=True).start()
+        try:
+            threads = [_ServingThread(mw) for _ in range(2)]
+            for i, t in enumerate(threads):
+                assert t.request("/during%d" % i) == 200
+        finally:
+            prof.stop()
+        counted = [f.ncall for f in prof.func_stats()
+                   if f.name == work.__name__]
+        assert counted == [2]
+        for i, t in enumerate(threads):
+            assert t.request("/after%d" % i) == 200
+            assert t.do(_hooks_of_this_thread) == (False, 0)
+        assert [f.ncall for f in prof.func_stats()
+                if f.name == work.__name__] == [2]
+        wait_for(lambda: len(profiles) == 4, what="4 profiles")
+        for p in profiles:
+            assert func_named(p, work.__name__).ncall == 1, p.path
+        assert mw.stats["errors"] == 0
+    finally:
+        for t in threads:
+            t.close()
