@@ -7,7 +7,8 @@ by the C library libgreqprof.
 from ._lowlevel import library_version
 from .errors import (ConfigError, GreqprofError, LibraryError,
                      ProfilerStateError)
-from .middleware import ProfileHandle, ProfilingMiddleware, current_profile
+from .handle import ProfileHandle, current_profile
+from .middleware import ProfilingMiddleware
 from .profiler import Profiler
 from .request_profile import BlockingEvent, RequestProfile, Waiting, WaitedOn
 from .stats import ChildStat, FuncStat, GreenletStat, Span
