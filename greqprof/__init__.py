@@ -10,8 +10,8 @@ from .errors import (ConfigError, GreqprofError, LibraryError,
 from .handle import ProfileHandle, current_profile
 from .middleware import ProfilingMiddleware
 from .profiler import Profiler
-from .request_profile import BlockingEvent, RequestProfile, Waiting, WaitedOn
-from .stats import ChildStat, FuncStat, GreenletStat, Span
+from .request_profile import BlockingEvent, RequestProfile
+from .stats import ChildStat, FuncStat, GreenletStat, Span, Waiting, WaitedOn
 
 __version__ = "0.1.0"
 

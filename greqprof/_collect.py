@@ -6,8 +6,8 @@ import struct
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
 from ._text import clean, clean_lines
-from .request_profile import WaitedOn, WaitEvent, Waiting, WaitSite
-from .stats import ChildStat, FuncStat, GreenletStat, Span
+from .stats import (ChildStat, FuncStat, GreenletStat, Span, WaitedOn,
+                    WaitEvent, Waiting, WaitSite)
 
 SPAN_FINISHED = 0x1
 SPAN_LONG = 0x4
