@@ -49,7 +49,7 @@ def _printable(text):
 
 
 def blocking_texts(name, fn, stack, sampled, method, path, rid):
-    """A blocking event's texts, cleaned (middleware._blocking_event)."""
+    """A blocking event's texts, cleaned (blocking._blocking_event)."""
     return (clean(name), clean(fn), clean_lines(stack), clean_lines(sampled),
             clean(method), clean(path), clean(rid))
 

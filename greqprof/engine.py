@@ -98,7 +98,7 @@ class Engine:
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
         # sampled requests waiting for their greenlets, and the greenlet
-        # that finishes them (middleware._finisher_loop)
+        # that finishes them (loops._finisher_loop)
         self.pending = []
         self.finisher = None
         self.finisher_wake = None
