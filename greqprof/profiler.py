@@ -89,7 +89,8 @@ class _Session:
         per-thread setting), another thread asks it through its hub."""
         if self.engine is None:
             # (from another thread the hooks only go quiet, under the GIL)
-            self.tracer.uninstall()
+            if self.tracer is not None:
+                self.tracer.uninstall()
             return
         # The middleware goes on: its hooks stay, the thread's greenlets
         # outside requests go back to no profile.
@@ -216,6 +217,16 @@ class Profiler:
         eng = current_engine()
         if eng is not None:
             return self._join_engine(eng)
+        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        session = _Session(self._install_tracer(profile), profile,
+                           threading.current_thread().name, calls=self.calls)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
+    def _install_tracer(self, profile):
+        """A tracer of this Profiler's settings recording the calling
+        thread into profile, its hooks installed."""
         tracer = RawTracer(
             cpu_mode=self._cpu_mode(), call_clock=self.clock,
             long_span_ns=(int(self.stack_threshold * 1e9)
@@ -223,16 +234,11 @@ class Profiler:
             cpu_window_ns=int(self.cpu_window * 1e9),
             max_depth=self.max_depth,
             history=0)  # waiting time is a per-request notion
-        profile = RawProfile(max_spans=self.max_spans, keep="last")
         tracer.set_default(profile)
         tracer.install(calls=self.calls, builtins=self.builtins,
                        inherit=False,
                        stacks=self.stack_threshold is not None)
-        session = _Session(tracer, profile, threading.current_thread().name,
-                           calls=self.calls)
-        with self._lock:
-            self._sessions.append(session)
-        return session
+        return tracer
 
     def start(self):
         """Starts profiling the calling thread and threads started later."""
@@ -294,6 +300,18 @@ class Profiler:
             self._sessions = keep
         for s in keep:
             s.profile.clear()
+            if s.engine is not None and self._running:
+                # It recorded through the middleware's engine, whose hooks
+                # the child takes out (engine._after_fork_in_child): it
+                # goes on with hooks of its own (a middleware request in
+                # the child shares them again, engine._new_engine).
+                eng, s.engine = s.engine, None
+                try:
+                    eng.abandon()
+                    eng.tracer.uninstall()
+                    s.tracer = self._install_tracer(s.profile)
+                except Exception:  # (never break the child)
+                    s.tracer = None
         self._starter = me
 
     def clear(self):

@@ -213,3 +213,109 @@ def test_stop_ends_the_sessions_of_threads_serving_a_middleware():
     finally:
         for t in threads:
             t.close()
+
+
+# ---------------------------------------------------------------------------
+# item 9: os.fork() with a Profiler sharing its thread with the middleware
+
+FORK_SHARED = r"""
+import json, os
+import gevent
+from gevent import pywsgi, socket
+import greqprof
+
+def work_fn():
+    pass
+
+def child_fn():
+    for _ in range(3):
+        gevent.sleep(0)
+
+def app(environ, start_response):
+    work_fn()
+    start_response("200 OK", [("Content-Length", "2")])
+    return [b"ok"]
+
+def get(port, path):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(("GET %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+               % path).encode())
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    return data.split(b"\r\n", 1)[0].decode()
+
+profiles = []
+mw = greqprof.ProfilingMiddleware(app, pct=1.0, linger=0, calls=True,
+                                  report=False, sink=profiles.append,
+                                  blocking_ms=None)
+p = greqprof.Profiler(calls=True).start()
+server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+server.start()
+assert get(server.server_port, "/parent") == "HTTP/1.1 200 OK"
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    out = {}
+    try:
+        server.close()
+        out["running"] = p.running
+        gevent.joinall([gevent.spawn(child_fn) for _ in range(2)])
+        s2 = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        s2.start()
+        out["status"] = get(s2.server_port, "/child")
+        gevent.sleep(0.1)
+        p.stop()
+        out["names"] = sorted(f.name for f in p.func_stats()
+                              if f.name.endswith("_fn"))
+        out["child_fn"] = [f.ncall for f in p.func_stats()
+                           if f.name == "child_fn"]
+        out["profiles"] = [(q.path, [f.ncall for f in q.calls
+                                     if f.name == "work_fn"])
+                           for q in profiles]
+        out["errors"] = mw.stats["errors"]
+    except BaseException as e:
+        out["exc"] = repr(e)
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+_, status = os.waitpid(pid, 0)
+child = json.loads(os.read(r, 100000).decode())
+assert get(server.server_port, "/parent2") == "HTTP/1.1 200 OK"
+p.stop()
+print(json.dumps({
+    "child": child, "child_status": status,
+    "parent": sorted(f.name for f in p.func_stats()
+                     if f.name.endswith("_fn")),
+    "parent_work": [f.ncall for f in p.func_stats() if f.name == "work_fn"],
+    "parent_profiles": sorted(q.path for q in profiles),
+}))
+"""
+
+
+def test_fork_with_a_profiler_sharing_the_middlewares_thread():
+    """A Profiler running in the thread that serves the middleware (its
+    session recorded through the engine's tracer), then os.fork(): in the
+    child the Profiler goes on recording the thread (greenlets and a
+    request served there), from a clean slate, and the middleware profiles
+    the child's request; the parent is unaffected.  Before: the child's
+    Profiler recorded nothing (the engine's hooks, which it shared, are
+    taken out in the child)."""
+    out = run_script(FORK_SHARED)
+    child = out["child"]
+    assert out["child_status"] == 0 and "exc" not in child, child
+    assert child["running"] is True
+    assert child["status"] == "HTTP/1.1 200 OK"
+    assert child["names"] == ["child_fn", "work_fn"], child
+    assert child["child_fn"] == [2]
+    # the child delivers its own request only (the parent's was delivered
+    # before the fork: the list was inherited)
+    assert child["profiles"] == [["/parent", [1]], ["/child", [1]]], child
+    assert child["errors"] == 0
+    assert out["parent"] == ["work_fn"]
+    assert out["parent_work"] == [2]
+    assert out["parent_profiles"] == ["/parent", "/parent2"]
