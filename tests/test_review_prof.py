@@ -407,3 +407,34 @@ def test_stop_keeps_a_cprofile_enabled_after_start(make_profiler):
     st = pstats.Stats(cp).stats
     calls = [v[1] for k, v in st.items() if k[2] == "_counted"]
     assert calls == [6], calls
+
+
+def test_a_cprofile_enabled_beside_the_middleware_keeps_counting(serve):
+    """The middleware's call hook is on only while a sampled request wants
+    calls.  A cProfile enabled in that thread between requests is chained
+    to while the hook is on and put back when it goes off, so it counts
+    every call, the request's included.  Before: the hook went on without
+    chaining to it and off by putting back what was there at the engine's
+    start (nothing): cProfile stopped counting for good."""
+    import cProfile
+    import pstats
+
+    def app(environ, start_response):
+        _counted()
+        start_response("200 OK", [("Content-Length", "2")])
+        return [b"ok"]
+
+    s = serve(app, pct=1.0, linger=0, calls=True)
+    assert s.get("/first").status == 200
+    cp = cProfile.Profile()
+    cp.enable()
+    try:
+        assert s.get("/second").status == 200
+        for _ in range(3):
+            _counted()
+    finally:
+        cp.disable()
+    calls = [v[1] for k, v in pstats.Stats(cp).stats.items()
+             if k[2] == "_counted"]
+    assert calls == [4], calls
+    assert func_named(s.profile_for("/second"), "_counted").ncall == 1
