@@ -346,7 +346,8 @@ typedef enum gqp_tracer_param {
     GQP_TRACER_CPU_WINDOW_NS = 2,
     /* GQP_CLOCK_CPU (default) or GQP_CLOCK_WALL: how call times are taken.
      * CPU: a frame only accrues time while its own greenlet runs on CPU.
-     * WALL: elapsed time, including time the greenlet was switched out. */
+     * WALL: elapsed time, including time the greenlet was switched out.
+     * A profile's own GQP_PROFILE_CALL_CLOCK wins over it (0.4). */
     GQP_TRACER_CALL_CLOCK = 3,
     /* Spans at least this long (wall) raise GQP_EV_LONG_SPAN (default 0 =
      * never). */
