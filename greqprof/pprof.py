@@ -11,7 +11,6 @@ Field numbers are those of google/pprof's proto/profile.proto (package
 Every name goes through greqprof's clean-text rule (:mod:`greqprof._text`),
 so a reader never meets a control character or a lone surrogate."""
 import gzip
-import math
 
 from ._text import clean
 
@@ -96,17 +95,6 @@ def _text(what, value):
     return clean(value, MAX_NAME)
 
 
-def nanoseconds(seconds, what="a time"):
-    """``seconds`` as whole nanoseconds (ValueError for NaN, infinities
-    and values an int64 cannot hold)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-            or not math.isfinite(seconds):
-        raise ValueError("%s must be a finite number of seconds, got %r"
-                         % (what, seconds))
-    ns = int(round(seconds * 1e9))
-    return _check_int(what + " (nanoseconds)", ns)
-
-
 class ProfileBuilder:
     """Collects one pprof profile.
 
@@ -172,14 +160,17 @@ class ProfileBuilder:
 
     def function(self, name, filename="", start_line=0, system_name=None):
         """The id of the function ``name`` defined in ``filename`` at
-        ``start_line`` (the same id for the same four values)."""
+        ``start_line`` (the same id for the same four values).
+
+        ``system_name`` stays empty unless given: pprof demangles a system
+        name equal to the name, and its demangler garbles Python names
+        such as ``<module>``."""
         if not isinstance(name, (str, bytes, bytearray)) or not name:
             raise ValueError("a function needs a non-empty name, got %r"
                              % (name,))
         _check_int("start_line", start_line, lo=0)
         key = (self._string(name, "function name"),
-               self._string(system_name if system_name is not None
-                            else name, "function system name"),
+               self._string(system_name, "function system name"),
                self._string(filename, "file name"), start_line)
         fid = self._functions.get(key)
         if fid is None:
