@@ -507,6 +507,25 @@ def test_view_converts_a_saved_profile(tmp_path, pprof_tool):
     assert r.returncode == 2 and b"binary" in r.stderr
 
 
+def test_the_inspector_links_and_serves_pprof(tmp_path, pprof_tool):
+    from test_inspector import UI, call, make
+    mw = make()
+    profiles = [synthetic_profile(),
+                synthetic_profile(path="/nocalls", calls=False)]
+    for p in profiles:
+        mw._deliver(p)
+    for pid, check in ((1, check_calls), (2, check_spans)):
+        assert "/p/%d/pprof" % pid in call(mw, UI + "/p/%d" % pid).text
+        r = call(mw, UI + "/p/%d/pprof" % pid)
+        assert r.code == 200
+        assert r.headers["Content-Type"] == "application/octet-stream"
+        assert r.headers["Content-Disposition"] == \
+            'attachment; filename="greqprof-%d.pb.gz"' % pid
+        raw = Raw(pprof_tool(write(tmp_path, "%d.pb.gz" % pid, r.body),
+                             "-raw"))
+        check(raw, profiles[pid - 1])
+
+
 def test_the_renderer_is_registered():
     r = get_renderer("pprof")
     assert RENDERERS["pprof"] is r and r.binary and not r.needs_calls
