@@ -263,7 +263,7 @@ class DjangoRouteMiddleware:
 
 class WallHistogram:
     """Counts of durations in fixed log-spaced buckets: 8 per doubling from
-    ``LOW`` (1 microsecond) to ``LOW * 2**(BUCKETS/8)`` (about 10,000 s),
+    ``LOW`` (1 microsecond) to ``LOW * 2**(BUCKETS/8)`` (17,180 s),
     one bucket below and one above.  A quantile estimate is the geometric
     middle of the bucket that holds the quantile's sample, clamped to the
     smallest and largest durations seen: within a factor 2**(1/16) (4.4 %)
