@@ -224,14 +224,18 @@ def install_flask_hook():
     which leaves each request's matched ``url_rule`` in the environ (Flask
     clears its request from the environ before the response is sent, so
     the template cannot be read afterwards).  Returns False when Flask is
-    not imported (it is never imported from here)."""
+    not imported (it is never imported from here) or has no signals."""
     global _flask_hooked
     flask = sys.modules.get("flask")
     if flask is None:
         return False
     with _flask_lock:
         if not _flask_hooked:
-            flask.request_started.connect(_flask_request_started, weak=False)
+            try:
+                flask.request_started.connect(_flask_request_started,
+                                              weak=False)
+            except Exception:   # (an old Flask without blinker)
+                return False
             _flask_hooked = True
     return True
 

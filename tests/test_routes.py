@@ -15,14 +15,13 @@ import uuid
 
 import gevent
 import pytest
-from gevent import pywsgi
 
 from greqprof import routes
 from greqprof.routes import (MAX_ROUTE, OTHER, ROUTE_KEY,
                              DjangoRouteMiddleware, RouteNamer, RouteTable,
                              WallHistogram, close_slot, framework_route,
                              open_slot, path_route, set_route)
-from test_middleware import http, http_raw
+from test_middleware import http, http_raw, plain_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,22 +204,7 @@ class RouteRecorder:
                               error=bool(status) and status[-1][0] == "5")
 
 
-@pytest.fixture
-def served():
-    servers = []
-
-    def start(app):
-        server = pywsgi.WSGIServer(("127.0.0.1", 0), app, log=None)
-        server.start()
-        servers.append(server)
-        return server.server_port
-
-    yield start
-    for s in servers:
-        s.stop(timeout=2)
-
-
-def test_flask_routes_are_the_matched_rules(served):
+def test_flask_routes_are_the_matched_rules(plain_server):
     flask = pytest.importorskip("flask")   # (a test extra: pyproject)
     assert routes.install_flask_hook() is True
     assert routes.install_flask_hook() is True   # (connects once)
@@ -240,7 +224,7 @@ def test_flask_routes_are_the_matched_rules(served):
         raise RuntimeError("boom")
 
     rec = RouteRecorder(app, route=lambda e: "callable")
-    port = served(rec)
+    port = plain_server(rec)
     for target, status in (("/items/5/detail", 200),
                            ("/items/6/detail", 200),
                            ("/named/q", 200), ("/boom/1", 500),
@@ -250,15 +234,23 @@ def test_flask_routes_are_the_matched_rules(served):
         "named-by-app", "/boom/<x>", "callable"]
     # without the callable: the path, its id replaced
     rec = RouteRecorder(app)
-    port = served(rec)
+    port = plain_server(rec)
     assert http(port, "/nope/123").status == 404
     assert rec.names == ["/nope/{id}"]
     by_route = {r["route"]: r for r in rec.table.to_records()}
     assert by_route["/nope/{id}"]["errors"] == 0
 
 
-def test_flask_hook_without_flask_imported(monkeypatch):
+def test_flask_hook_without_flask_or_its_signals(monkeypatch):
     monkeypatch.delitem(sys.modules, "flask", raising=False)
+    assert routes.install_flask_hook() is False
+
+    class NoSignals:   # (Flask < 2.3 without blinker raises RuntimeError)
+        def connect(self, *a, **kw):
+            raise RuntimeError("signalling support is unavailable")
+    monkeypatch.setitem(sys.modules, "flask", types.SimpleNamespace(
+        request_started=NoSignals()))
+    monkeypatch.setattr(routes, "_flask_hooked", False)
     assert routes.install_flask_hook() is False
 
 
@@ -295,9 +287,9 @@ def _django_app():
     return get_wsgi_application()
 
 
-def test_django_routes_are_the_resolved_routes(served):
+def test_django_routes_are_the_resolved_routes(plain_server):
     rec = RouteRecorder(_django_app())
-    port = served(rec)
+    port = plain_server(rec)
     for target, status in (("/items/5/detail", 200), ("/api/orders/9/", 200),
                            ("/old/12/", 200), ("/named", 200),
                            ("/nope/77", 404)):
@@ -313,12 +305,12 @@ def test_django_middleware_never_breaks_the_request():
     assert m.process_view(object(), None, (), {}) is None
 
 
-def test_non_utf8_and_huge_paths_through_a_real_server(served):
+def test_non_utf8_and_huge_paths_through_a_real_server(plain_server):
     def app(environ, start_response):
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"ok"]
     rec = RouteRecorder(app)
-    port = served(rec)
+    port = plain_server(rec)
     assert http_raw(port, b"GET /\xff\xfe/12 HTTP/1.1\r\nHost: x\r\n"
                     b"Connection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
     assert http(port, "/" + "z" * 6000).status == 200
