@@ -45,6 +45,9 @@ def encode_varint(n, out):
     """Appends ``n`` as a protobuf varint to bytearray ``out``; negative
     int64 values take their 64-bit two's complement (10 bytes), as
     protobuf encodes them."""
+    if 0 <= n < 0x80:
+        out.append(n)
+        return
     if n < 0:
         n += 1 << 64
     while n > 0x7f:
@@ -53,19 +56,17 @@ def encode_varint(n, out):
     out.append(n)
 
 
-def _key(field, wire, out):
-    encode_varint((field << 3) | wire, out)
-
+# (every field number used is below 16: a field's key is one byte)
 
 def _int(field, n, out):
     """A varint field; proto3 leaves zero values out."""
     if n:
-        _key(field, _VARINT, out)
+        out.append(field << 3 | _VARINT)
         encode_varint(n, out)
 
 
 def _bytes(field, data, out):
-    _key(field, _LEN, out)
+    out.append(field << 3 | _LEN)
     encode_varint(len(data), out)
     out += data
 
@@ -107,12 +108,14 @@ class ProfileBuilder:
 
     def __init__(self, sample_types, default_type=None, period_type=None,
                  period=0, time_nanos=0, duration_nanos=0, comments=()):
-        self._strings = {"": 0}
+        self._strings = {"": 0}  # clean text -> index
+        self._raw = {}           # text as given -> index
         self._functions = {}     # (name, system name, file, line) -> id
         self._function_rows = []
         self._locations = {}     # (function id, line) -> id
         self._location_rows = []
         self._samples = []
+        self._label_sets = {}    # labels items -> encoded Label fields
         types = list(sample_types or ())
         if not types:
             raise ValueError("sample_types must name at least one "
@@ -152,10 +155,16 @@ class ProfileBuilder:
         return len(self._types)
 
     def _string(self, value, what="a name"):
+        if type(value) is str:
+            i = self._raw.get(value)
+            if i is not None:
+                return i
         text = _text(what, value)
         i = self._strings.get(text)
         if i is None:
             i = self._strings[text] = len(self._strings)
+        if type(value) is str:
+            self._raw[value] = i   # (the next time: no cleaning)
         return i
 
     def function(self, name, filename="", start_line=0, system_name=None):
@@ -195,20 +204,41 @@ class ProfileBuilder:
         type in ``values``; ``labels`` maps label keys to text,
         ``num_labels`` maps keys to ints or to (int, unit) pairs."""
         locs = list(location_ids)
+        n = len(self._location_rows)
         for i, lid in enumerate(locs):
-            _check_int("location_ids[%d]" % i, lid, lo=1,
-                       hi=len(self._location_rows))
+            if type(lid) is not int or not 0 < lid <= n:
+                _check_int("location_ids[%d]" % i, lid, lo=1, hi=n)
         vals = list(values)
         if len(vals) != len(self._types):
             raise ValueError("a sample needs %d values (one per sample "
                              "type), got %d" % (len(self._types), len(vals)))
         for i, v in enumerate(vals):
-            _check_int("values[%d]" % i, v)
+            if type(v) is not int or not _I64_MIN <= v <= _I64_MAX:
+                _check_int("values[%d]" % i, v)
+        encoded = b""
+        if labels:
+            # (a profile's samples share few label sets: each is
+            # checked and encoded once)
+            try:
+                key = tuple(labels.items())
+                encoded = self._label_sets.get(key)
+            except TypeError:   # (unhashable values: refused below)
+                key = encoded = None
+            if encoded is None:
+                encoded = self._labels(labels, {})
+                if key is not None:
+                    self._label_sets[key] = encoded
+        if num_labels:
+            encoded += self._labels({}, num_labels)
+        self._samples.append((locs, vals, encoded))
+
+    def _labels(self, labels, num_labels):
+        """Label fields of a Sample, encoded."""
         out = []
-        for k, v in (labels or {}).items():
+        for k, v in labels.items():
             out.append((self._string(k, "label key"),
                         self._string(v, "label %r" % (k,)), 0, 0))
-        for k, v in (num_labels or {}).items():
+        for k, v in num_labels.items():
             unit = 0
             if isinstance(v, (tuple, list)):
                 if len(v) != 2:
@@ -217,7 +247,15 @@ class ProfileBuilder:
                 v, unit = v[0], self._string(v[1], "label unit")
             out.append((self._string(k, "label key"), 0,
                         _check_int("label %r" % (k,), v), unit))
-        self._samples.append((locs, vals, out))
+        encoded = bytearray()
+        for key, text, num, unit in out:
+            lab = bytearray()
+            _int(_L_KEY, key, lab)
+            _int(_L_STR, text, lab)
+            _int(_L_NUM, num, lab)
+            _int(_L_NUM_UNIT, unit, lab)
+            _bytes(_S_LABEL, lab, encoded)
+        return bytes(encoded)
 
     def serialize(self):
         """The profile as uncompressed protobuf bytes."""
@@ -231,13 +269,7 @@ class ProfileBuilder:
             s = bytearray()
             _packed(_S_LOCATION_ID, locs, s)
             _packed(_S_VALUE, vals, s)
-            for key, text, num, unit in labels:
-                lab = bytearray()
-                _int(_L_KEY, key, lab)
-                _int(_L_STR, text, lab)
-                _int(_L_NUM, num, lab)
-                _int(_L_NUM_UNIT, unit, lab)
-                _bytes(_S_LABEL, lab, s)
+            s += labels
             _bytes(_P_SAMPLE, s, out)
         for lid, (fid, line) in enumerate(self._location_rows, 1):
             ln = bytearray()
@@ -275,4 +307,4 @@ class ProfileBuilder:
     def to_bytes(self):
         """The profile gzip-compressed: what pprof files hold.  (mtime 0:
         the same profile always gives the same bytes.)"""
-        return gzip.compress(self.serialize(), mtime=0)
+        return gzip.compress(self.serialize(), compresslevel=6, mtime=0)
