@@ -486,11 +486,13 @@ class RequestProfile:
     def to_json(self, max_bytes=None, **kw):
         """The profile as one JSON text (``json.dumps`` keywords in kw).
 
-        max_bytes: when given and the JSON would be longer, the function
-        table (each function's callees first) and the spans are cut to
-        their largest entries until it fits, and ``"cut"`` counts what was
-        left out, e.g. ``{"spans": 120, "calls": 3400, "children": 900}``
-        (see docs/schema.md).  Log lines use it (``json_max_bytes``);
+        max_bytes: when given and the JSON would be longer, the notes, the
+        function table (each function's callees first) and the spans are
+        cut to their largest entries until it fits, then the texts (marked
+        ``...[N more]``), and ``"cut"`` counts what was left out, e.g.
+        ``{"spans": 120, "calls": 3400, "children": 900}`` (see
+        docs/schema.md).  1024 bytes always fit the header that is left
+        last; a smaller max_bytes gets that header, longer.  Log lines use it (``json_max_bytes``);
         sinks, files and the inspector get everything."""
         d = self.to_dict()
         text = json.dumps(d, **kw)
