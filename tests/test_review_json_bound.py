@@ -115,12 +115,19 @@ def test_every_json_line_respects_json_max_bytes(serve, caplog, limit):
                 assert whole[key].startswith(d[key].rsplit("...[", 1)[0])
         assert d["schema"] == "greqprof.request_profile/1"
         assert set(whole) <= set(d)       # the schema's keys all there
+    cut_events = 0
     for line, schema in zip(lines, schemas):
         if schema == "greqprof.blocking/1":
             ev = json.loads(line)
             assert ev["wall"] > 0
-            assert any(x.endswith(MARK) or x.startswith("...[")
-                       for x in _strings(ev)), ev
+            if ev["path"].startswith("/block"):   # (its path is too long)
+                assert ev["cut"]["texts"] > 0
+            if "cut" in ev:
+                cut_events += 1
+                marked = [x for x in _strings(ev)
+                          if x.endswith(MARK) or x.startswith("...[")]
+                assert len(marked) == ev["cut"]["texts"], ev
+    assert cut_events
     # sinks get everything
     assert len(p_block.notes) == 50
     assert all(len(n) > 1000 for n in p_block.notes)
