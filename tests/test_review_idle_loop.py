@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
                    sink=profiles.append, report=False)
     if CASE == "unsampled-blocking":
         options.update(pct=0.0, blocking_ms=50)
-    elif CASE == "sampled-blocking":
+    elif CASE in ("sampled-blocking", "thread"):
         options.update(blocking_ms=50)
     elif CASE == "max-lifetime":
         options.update(max_lifetime=0.2, blocking_ms=50)
@@ -54,28 +54,41 @@ SCRIPT = textwrap.dedent('''
             return body()
         return [b"ok"]
 
-    server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
-    server.start()
+    def serve_then_wait():
+        server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        server.start()
 
-    def get(path):
-        s = socket.create_connection(("127.0.0.1", server.server_port))
-        s.sendall(("GET %s HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n" % path).encode())
-        while s.recv(65536):
-            pass
-        s.close()
+        def get(path):
+            s = socket.create_connection(("127.0.0.1", server.server_port))
+            s.sendall(("GET %s HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n"
+                       % path).encode())
+            while s.recv(65536):
+                pass
+            s.close()
 
-    paths = ["/a", "/block", "/b"]
-    if CASE == "max-lifetime":
-        paths.append("/stream")
-    if CASE == "lingering":
-        paths = ["/child"]
-    for p in paths:
-        get(p)
-    server.stop()
-    if WAIT == "wait":
-        gevent.wait()
+        paths = ["/a", "/block", "/b"]
+        if CASE == "max-lifetime":
+            paths.append("/stream")
+        if CASE == "lingering":
+            paths = ["/child"]
+        for p in paths:
+            get(p)
+        server.stop()
+        if WAIT == "wait":
+            gevent.wait()
+        else:
+            gevent.get_hub().join()
+
+    if CASE == "thread":
+        # a thread with a hub of its own, after the main thread served
+        import threading
+        serve_then_wait()
+        t = threading.Thread(target=serve_then_wait)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the thread's loop did not go idle"
     else:
-        gevent.get_hub().join()
+        serve_then_wait()
     print(json.dumps({
         "idle": True,
         "delivered": [(p.path, p.truncated, len(p.greenlets))
@@ -84,7 +97,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 CASES = ["sampled", "unsampled-blocking", "sampled-blocking",
-         "max-lifetime", "lingering"]
+         "max-lifetime", "lingering", "thread"]
 
 
 def _run(tmp_path, case, wait):
@@ -112,6 +125,10 @@ def test_the_loop_goes_idle_after_serving(tmp_path, case, wait):
     delivered = {p[0]: p for p in out["delivered"]}
     if case == "unsampled-blocking":
         assert delivered == {}
+    elif case == "thread":
+        # each thread's three requests, once
+        assert sorted(p[0] for p in out["delivered"]) == \
+            ["/a", "/a", "/b", "/b", "/block", "/block"]
     elif case == "lingering":
         # the finisher waited for the child, then delivered (before the
         # loop went idle: nothing is left for the exit flush)
