@@ -439,8 +439,9 @@ class RequestProfile:
         ``...[N more]``), and ``"cut"`` counts what was left out, e.g.
         ``{"spans": 120, "calls": 3400, "children": 900}`` (see
         docs/schema.md).  1024 bytes always fit the header that is left
-        last; a smaller max_bytes gets that header, longer.  Log lines use it (``json_max_bytes``);
-        sinks, files and the inspector get everything."""
+        last; a smaller max_bytes gets that header, longer.  Log lines use
+        it (``json_max_bytes``); sinks, files and the inspector get
+        everything."""
         d = self.to_dict()
         text = json.dumps(d, **kw)
         if max_bytes is None or _size(text, kw) <= max_bytes:
