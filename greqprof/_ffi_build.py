@@ -2,6 +2,7 @@
 
 Run by setuptools through ``cffi_modules`` (see setup.py).
 """
+import glob
 import os
 
 from cffi import FFI
@@ -33,6 +34,7 @@ CDEF = """
 #define GQP_CPU_EXACT ...
 #define GQP_CLOCK_CPU ...
 #define GQP_CLOCK_WALL ...
+#define GQP_CLOCK_TRACER ...
 #define GQP_PY_CALLS ...
 #define GQP_PY_BUILTINS ...
 #define GQP_PY_INHERIT ...
@@ -41,7 +43,7 @@ CDEF = """
 
 typedef enum { GQP_PROFILE_MAX_SPANS, GQP_PROFILE_SPAN_POLICY,
     GQP_PROFILE_MAX_FUNCS, GQP_PROFILE_MAX_EDGES, GQP_PROFILE_MAX_GREENLETS,
-    GQP_PROFILE_MAX_NAME, ... } gqp_profile_param;
+    GQP_PROFILE_MAX_NAME, GQP_PROFILE_CALL_CLOCK, ... } gqp_profile_param;
 typedef enum { GQP_TRACER_CPU_MODE, GQP_TRACER_CPU_WINDOW_NS,
     GQP_TRACER_CALL_CLOCK, GQP_TRACER_LONG_SPAN_NS, GQP_TRACER_MAX_DEPTH,
     GQP_TRACER_MAX_GREENLETS, GQP_TRACER_HISTORY, ... } gqp_tracer_param;
@@ -133,6 +135,9 @@ size_t gqp_py_read_greenlets(gqp_profile *p, gqp_greenlet_stat *out,
 int gqp_render_init(void);
 """
 
+# _hooks.c #includes its parts from _hooks/ (one translation unit).
+HOOK_PARTS = sorted(glob.glob(os.path.join(HERE, "_hooks", "*.[ch]")))
+
 ffi = FFI()
 ffi.cdef(CDEF)
 ffi.set_source(
@@ -143,7 +148,8 @@ ffi.set_source(
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
     # _core.c only #includes these: rebuild when they change.
     depends=[os.path.relpath(p, ROOT) for p in (
-        os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
+        os.path.join(HERE, "_hooks.c"), *HOOK_PARTS,
+        os.path.join(HERE, "_fastpath.c"),
         os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_render.c"),
         os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",

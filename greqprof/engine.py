@@ -22,6 +22,10 @@ _engines_lock = threading.Lock()
 _local = RealThreadLocal()
 _fork_generation = [0]
 
+#: running Profilers (profiler.py keeps it): one whose session holds a
+#: thread's hooks gives way to a new engine there (_new_engine)
+running_profilers = weakref.WeakSet()
+
 
 def _after_fork_in_child():
     # The child starts clean: the engines (and the open profiles they
@@ -94,7 +98,7 @@ class Engine:
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
         # sampled requests waiting for their greenlets, and the greenlet
-        # that finishes them (middleware._finisher_loop)
+        # that finishes them (loops._finisher_loop)
         self.pending = []
         self.finisher = None
         self.finisher_wake = None
@@ -172,14 +176,23 @@ def _new_engine(config):
     try:
         return Engine(config)
     except ProfilerStateError:
-        from .profiler import _session_of_thread
-        session = _session_of_thread()
+        session = _profiler_session()
         if session is None:
             raise
         session.tracer.uninstall()
         eng = Engine(config)
         session.share(eng)
         return eng
+
+
+def _profiler_session():
+    """The session of a running Profiler that holds the calling thread's
+    hooks (Profiler._session_holding_hooks), or None."""
+    for prof in list(running_profilers):
+        session = prof._session_holding_hooks()
+        if session is not None:
+            return session
+    return None
 
 
 def _watch_thread_end(eng):
@@ -218,6 +231,7 @@ def thread_ended(eng):
     if eng.abandoned or eng.pid != os.getpid() or \
             eng.thread_ident != real_get_ident():
         return   # (a forked child drops the parent's threads: not ours)
+    from .loops import truncate   # (loops imports this module)
     now = _lowlevel.wall_ns()
     try:
         # The finisher's pass (C), as if every linger were over: it also
@@ -237,7 +251,7 @@ def thread_ended(eng):
                     req.end_ns = now
                     _quietly(mw._observe_end, req)
                 if req.profile is not None:
-                    _quietly(mw._truncate, eng, req, now)
+                    _quietly(truncate, mw, eng, req, now)
                     continue
             _quietly(mw._finalize, eng, req)
     finally:
