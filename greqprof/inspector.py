@@ -196,6 +196,11 @@ class Inspector:
     def __repr__(self):
         return "<Inspector %s keep=%d>" % (self.path, self.keep)
 
+    @property
+    def token_required(self):
+        """True when every request must carry ``ui_token``."""
+        return self._token is not None
+
     # -- the ring ---------------------------------------------------------
     def add(self, profile):
         with self._lock:
