@@ -463,3 +463,25 @@ def test_serve_ui_refuses_a_host_the_inspector_would_refuse(tmp_path):
         r = cli("serve", app, "--host", addr, "--port", "0", "--ui",
                 "--quiet", cwd=str(tmp_path), timeout=20)
         fails(r, "--ui: the inspector would refuse", "--host 127.0.0.1")
+
+
+def test_example_app_prints_a_url_that_answers(tmp_path):
+    """examples/wsgi_app.py --port 0 printed port 0 (read before the
+    server was bound)."""
+    example = os.path.join(os.path.dirname(CHILD_CWD), "examples",
+                           "wsgi_app.py")
+    with open(str(tmp_path / "stderr.txt"), "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, example, "--port", "0", "--host", "0.0.0.0"],
+            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err,
+            env=child_env())
+    try:
+        line = proc.stdout.readline().decode()
+        url = re.search(r"serving on (http://\S+)", line).group(1)
+        assert url.startswith("http://127.0.0.1:"), line
+        r = requests.get(url + "/", timeout=10)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
