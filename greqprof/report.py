@@ -428,9 +428,10 @@ def _render_py(p, spans, calls_limit, greenlets):
         out.append("... %d more spans not shown (the %d longest are shown, "
                    "in start order; report(spans=None) shows all)"
                    % (hidden, len(parts.spans)))
-    out.append("Waiting: %s while other greenlets ran%s" % (
+    out.append(_WAITING % (
         _ms(parts.wait_s),
-        "" if parts.wait_complete else " (history incomplete)"))
+        "" if parts.wait_complete else " (history incomplete)",
+        _WHILE if parts.wait_top else ""))
     for gid, name, fn, seconds in parts.wait_top:
         out.append("  %10s  %s" % (_ms(seconds), _who(gid, name, fn)))
     return _tail(p, out, calls_limit)
@@ -456,6 +457,13 @@ def render_blocking(b):
     return "\n".join(parts)
 
 
+#: the report's "Waiting:" line (_render.c writes the same): time the
+#: request as a whole waited, unlike "Waited at:", which sums each of its
+#: greenlets' waits (greenlets waiting at once each count)
+_WAITING = "Waiting: %s with none of the request's greenlets running%s%s"
+_WHILE = ", while these ran:"
+
+
 def render_waits(waits, limit=5, dropped=0):
     """The ``Waited at:`` section's lines: the top `limit` wait sites
     (largest first), one line each: time waited, count, greenlets,
@@ -463,7 +471,9 @@ def render_waits(waits, limit=5, dropped=0):
     if not waits and not dropped:
         return []
     shown = waits[:limit]
-    lines = ["Waited at: (top %d of %d sites)" % (len(shown), len(waits))]
+    lines = ["Waited at: (top %d of %d sites; time each greenlet of the "
+             "request was switched out there, summed)"
+             % (len(shown), len(waits))]
     for w in shown:
         lines.append("  %10s %6d wait%s %4d greenlet%s  %s (%s:%d)" % (
             _ms(w.seconds), w.count, " " if w.count == 1 else "s",

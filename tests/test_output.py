@@ -344,7 +344,8 @@ def test_waited_at_section_lists_the_top_sites():
               for i in range(6)]
     assert render_waits((), 5) == []
     lines = render_waits(waits, 5)
-    assert lines[0] == "Waited at: (top 5 of 8 sites)"
+    assert lines[0] == ("Waited at: (top 5 of 8 sites; time each greenlet "
+                        "of the request was switched out there, summed)")
     assert lines[1].split() == ["41.2", "ms", "3", "waits", "2",
                                 "greenlets", "wait_upstream",
                                 "(/srv/app.py:12)"]
@@ -360,7 +361,7 @@ def test_waited_at_section_lists_the_top_sites():
                        waiting=Waiting(seconds=0.046))
     p.waits = waits
     text = p.report()
-    assert "\nWaited at: (top 5 of 8 sites)" in text
+    assert "\nWaited at: (top 5 of 8 sites; " in text
     assert text.index("Waiting:") < text.index("Waited at") < \
         text.index("<<< End")
 

@@ -106,5 +106,6 @@ static uint64_t thread_generation;            /* gqp_py_thread_start's */
 static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key);
 static void run_forget(gqp_py_thread *st, uint64_t key);
 static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names);
+static PyObject *run_names_of_id(gqp_py_thread *st, uint64_t id);
 
 #endif /* GQP_HOOKS_H */
