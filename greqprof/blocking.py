@@ -21,9 +21,11 @@ MAX_PER_REQUEST = 100
 def drain(mw, eng):
     """Turns this thread's queued long-span records into blocking
     events: each is logged as a WARNING and kept with the open request
-    it belongs to (by its profile, else by its greenlet)."""
+    it belongs to (by its profile, else by its greenlet).  greqprof's own
+    work: not in the profile of the request whose greenlet runs it."""
     if not _registry.long_spans:
         return
+    _registry.own_work()
     recs = _lowlevel.drain_long_spans(eng.thread_ident)
     done = 0
     try:
@@ -141,6 +143,7 @@ def log_blocking(mw, ev):
 def log_summaries(mw, force=False):
     """One line per site whose interval ended with WARNINGs held back:
     how many, and the longest."""
+    _registry.own_work()
     try:
         for summary in mw._blocking_sites.expired(_monotonic(), force):
             logs.ensure_visible(mw.log)

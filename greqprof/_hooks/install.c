@@ -67,7 +67,7 @@ static int gqp_py_init(void)
     Py_XDECREF(gtype);
     PyMethodDef *defs[] = {&attach_def,
                            &greenlet_id_def, &running_since_def,
-                           &wall_ns_def};
+                           &wall_ns_def, &own_work_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         if (!fn || PyObject_SetAttrString(reg, defs[i]->ml_name, fn) < 0) {
