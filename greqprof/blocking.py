@@ -4,12 +4,11 @@ flood (one per site, the code that held the loop, per blocking_interval;
 the rest summed up; issue 16, item 5)."""
 import json
 import os
-import re
 from time import monotonic as _monotonic
 
 from . import _collect, _lowlevel, _registry, logs
 from ._lowlevel import NS
-from .report import render_blocking, safe
+from .report import blocking_site, render_blocking, safe
 from .request_profile import BlockingEvent
 
 #: greqprof's own directory: its frames are not the app's
@@ -162,29 +161,6 @@ def _log_summary(mw, site, n, longest, seconds):
             "Blocking spans not logged: %d more at %s within %g s of "
             "its last WARNING (the longest %.1f ms)"
             % (n, safe(site, 400), seconds, longest * 1000.0))
-
-
-_FRAME = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
-_NOT_APP = (os.sep + "gevent" + os.sep, os.sep + "greenlet" + os.sep)
-
-
-def blocking_site(ev):
-    """The code that held the loop: "function (file:line)" of the innermost
-    app frame (not gevent's, greenlet's or greqprof's) of the watchdog's
-    stack, else of the switch-out stack; else the greenlet's function."""
-    for stack in (ev.sampled_stack, ev.stack):
-        if not stack:
-            continue
-        for line in reversed(stack.rstrip("\n").split("\n")):
-            m = _FRAME.match(line)
-            if m is None:
-                continue
-            filename = m.group(1)
-            if filename.startswith(OWN_DIR) or \
-                    any(d in filename for d in _NOT_APP):
-                continue
-            return "%s (%s:%s)" % (m.group(3), filename, m.group(2))
-    return ev.fn_name or ev.greenlet_name or "greenlet %d" % ev.greenlet_id
 
 
 class BlockingSites:

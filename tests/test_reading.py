@@ -2,15 +2,74 @@
 blocking WARNING's first line names where the app was, the report's
 waiting lines say what each one sums, and greenlets are named after their
 function.  Through real gevent.pywsgi servers."""
+import inspect
+import logging
 import re
 import time
 
 import gevent
 import pytest
 
-from test_middleware import serve  # noqa: F401
+from test_middleware import LOGGER, messages, serve, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def block_route():
+    time.sleep(0.3)   # not monkey-patched: holds the event loop
+
+
+BLOCK_LINE = inspect.getsourcelines(block_route)[1] + 1
+
+
+def blocking_app(environ, start_response):
+    if environ["PATH_INFO"] == "/block":
+        block_route()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def _warnings(caplog):
+    return [m for m in messages(caplog, logging.WARNING)
+            if m.startswith("Blocking span")]
+
+
+@pytest.mark.parametrize("pct", [1.0, 0.0])
+def test_blocking_warning_names_the_app_code_first(serve, caplog, pct):
+    """The first line: the route function and its file:line, then the
+    time, the request and the greenlet; the stacks follow as before."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    s = serve(blocking_app, pct=pct, blocking_ms=100, report=False)
+    assert s.get("/block").status == 200
+    wait_for(lambda: _warnings(caplog), what="the blocking WARNING")
+    text = _warnings(caplog)[0]
+    first = text.split("\n")[0]
+    m = re.match(r"Blocking span: block_route \((.*):(\d+)\) held the event "
+                 r"loop for (\d+\.\d) ms \(CPU .*\) during GET /block, "
+                 r"greenlet \d+ \(gevent\.baseserver\."
+                 r"_handle_and_close_when_done\)$", first)
+    assert m, first
+    assert m.group(1) == __file__ and int(m.group(2)) == BLOCK_LINE
+    assert float(m.group(3)) >= 290
+    # the rest as before: the watchdog's stack ends at the same line
+    assert "\nRunning while the loop was held:\n" in text
+    assert text.split("Where it switched out:")[0].rstrip().endswith(
+        "line %d, in block_route" % BLOCK_LINE)
+
+
+def test_site_leaves_out_the_server():
+    """A stack whose innermost frames are the server's (gunicorn's worker
+    here) names the app frame under them."""
+    from greqprof import BlockingEvent
+    from greqprof.report import blocking_site
+    stack = ('  File "/srv/venv/gunicorn/workers/ggevent.py", line 1, in run\n'
+             '  File "/srv/app.py", line 10, in view\n'
+             '  File "/srv/venv/gunicorn/workers/base_async.py", line 2, '
+             'in handle\n')
+    ev = BlockingEvent(greenlet_id=3, greenlet_name="Greenlet",
+                       fn_name="w.f", start=0.0, end=0.2, wall=0.2, cpu=0.2,
+                       stack=stack)
+    assert blocking_site(ev) == "view (/srv/app.py:10)"
 
 
 # ---------------------------------------------------------------------------

@@ -171,8 +171,8 @@ def test_report_format(profiles):
     assert len([sp for sp in p.spans if sp.long]) == 1
     assert re.search(r"^Waiting: \d+\.\d ms with none of the request's "
                      r"greenlets running(, while these ran:)?$", text, re.M)
-    assert re.search(r"^Blocking span: \d+\.\d ms \(CPU .*\) in greenlet "
-                     r"\d+ ", text, re.M)
+    assert re.search(r"^Blocking span: .* held the event loop for \d+\.\d ms "
+                     r"\(CPU .*\), greenlet \d+ ", text, re.M)
     assert "Functions (by inclusive time, top" in text
     assert re.search(r"^\s+5\s+5\s.*helper_in_request \(.*test_report\.py:"
                      r"\d+\)$", text, re.M)
