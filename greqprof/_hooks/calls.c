@@ -16,7 +16,8 @@ static PyObject *own_work(PyObject *self, PyObject *unused)
     (void)self;
     (void)unused;
     gqp_py_thread *st = gqp__tls;
-    if (st && st->active && st->calls && !st->own) {
+    if (st && st->active && st->calls && st->profile_installed &&
+        !st->own) {
         /* This very call was recorded (a builtin); its return will come
          * in own work, unrecorded: it ends here. */
         if (st->builtins) {
@@ -32,6 +33,14 @@ static PyMethodDef own_work_def = {
     "own_work", own_work, METH_NOARGS,
     "own_work(): the calls made until the caller returns are greqprof's "
     "own work, left out of profiles."};
+
+/* The call hook goes back in after events were missed (it was off, or
+ * replaced): frames counted before mean nothing now. */
+static void own_reset(gqp_py_thread *st)
+{
+    st->own = 0;
+    st->own_parked = 0;
+}
 
 /* An event of own work: only the caller's return is recorded. */
 static void own_event(gqp_py_thread *st, int what)

@@ -268,6 +268,7 @@ static int gqp_py_calls(gqp_py_thread *st, int on)
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
     } else if (on && !st->profile_installed) {
+        own_reset(st);
         PyEval_SetProfile(gqp__profile, st->ref);
         st->profile_installed = 1;
     } else if (!on && st->profile_installed) {
@@ -291,6 +292,7 @@ static int gqp_py_reinstall_calls(gqp_py_thread *st)
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
     } else if (st->profile_installed) {
+        own_reset(st);
         PyEval_SetProfile(gqp__profile, st->ref);
     }
     PyGILState_Release(gs);
