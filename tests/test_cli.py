@@ -41,6 +41,7 @@ APP = textwrap.dedent('''
 # `app.wsgi_app = ProfilingMiddleware(app.wsgi_app)`)
 WRAPPED = textwrap.dedent('''
     from greqprof import ProfilingMiddleware
+    from cli_test_app import app
 
     class Carrier:
         def __init__(self, inner, **options):
@@ -222,7 +223,8 @@ class Server:
 
 
 def start_serve(tmp_path, *args, app="cli_test_app:app"):
-    (tmp_path / "cli_test_app.py").write_text(APP + WRAPPED)
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    (tmp_path / "cli_wrapped_app.py").write_text(WRAPPED)
     with open(str(tmp_path / "stderr.txt"), "wb") as err:  # never a full pipe
         proc = subprocess.Popen(
             [sys.executable, "-m", "greqprof", "serve", app,
@@ -364,7 +366,7 @@ def test_serve_ui_on_a_wrapped_app_serves_an_inspector(tmp_path):
     print a URL the app answered itself, and drop --profile-dir)."""
     out = tmp_path / "profiles"
     srv = start_serve(tmp_path, "--ui", "--quiet", "--profile-dir", str(out),
-                      app="cli_test_app:wrapped")
+                      app="cli_wrapped_app:wrapped")
     try:
         ui = inspector_url(srv)
         assert ui == srv.url + "/_greqprof/"
@@ -388,7 +390,8 @@ def test_serve_ui_on_a_wrapped_app_serves_an_inspector(tmp_path):
 @pytest.mark.parametrize("args", [(), ("--ui",)])
 def test_serve_shows_a_wrapped_apps_own_inspector(tmp_path, args):
     """The middleware's own ui_path is the URL printed, and it answers."""
-    srv = start_serve(tmp_path, "--quiet", *args, app="cli_test_app:own_ui")
+    srv = start_serve(tmp_path, "--quiet", *args,
+                      app="cli_wrapped_app:own_ui")
     try:
         ui = inspector_url(srv)
         assert ui == srv.url + "/debug/prof/"
@@ -409,8 +412,9 @@ def test_serve_refuses_what_a_wrapped_app_fixes(tmp_path, args, needles):
     """Options that would change how the module's middleware profiles stop
     the command at once, saying where to set them (--calls used to be
     silently ignored)."""
-    (tmp_path / "cli_test_app.py").write_text(APP + WRAPPED)
-    r = cli("serve", "cli_test_app:sampled", "--port", "0", *args,
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    (tmp_path / "cli_wrapped_app.py").write_text(WRAPPED)
+    r = cli("serve", "cli_wrapped_app:sampled", "--port", "0", *args,
             cwd=str(tmp_path), timeout=20)
     fails(r, *needles)
     assert len(r.stderr.decode().strip().splitlines()) == 1, r.stderr
@@ -418,7 +422,7 @@ def test_serve_refuses_what_a_wrapped_app_fixes(tmp_path, args, needles):
 
 def test_serve_accepts_what_a_wrapped_app_already_does(tmp_path):
     srv = start_serve(tmp_path, "--quiet", "--pct", "1", "--blocking-ms",
-                      "100", app="cli_test_app:wrapped")
+                      "100", app="cli_wrapped_app:wrapped")
     try:
         assert requests.get(srv.url + "/", timeout=10).text == "hello"
     finally:
@@ -458,8 +462,9 @@ def test_serve_ui_refuses_a_host_the_inspector_would_refuse(tmp_path):
     addr = _local_address()
     if addr is None:
         pytest.skip("no non-loopback IPv4 address on this machine")
-    (tmp_path / "cli_test_app.py").write_text(APP + WRAPPED)
-    for app in ("cli_test_app:app", "cli_test_app:wrapped"):
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    (tmp_path / "cli_wrapped_app.py").write_text(WRAPPED)
+    for app in ("cli_test_app:app", "cli_wrapped_app:wrapped"):
         r = cli("serve", app, "--host", addr, "--port", "0", "--ui",
                 "--quiet", cwd=str(tmp_path), timeout=20)
         fails(r, "--ui: the inspector would refuse", "--host 127.0.0.1")
