@@ -114,7 +114,7 @@ $(VPY):
 venv: $(VPY)
 	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' hypothesis \
 	  opentelemetry-api opentelemetry-sdk opentelemetry-instrumentation-wsgi \
-	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto psycopg2-binary psycogreen
+	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto psycopg2-binary psycogreen flask django
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
 pytest: venv
@@ -129,7 +129,8 @@ pytest: venv
 # exceptions.  Built into build/asan-py, away from the in-place build.
 ASAN_PY := build/asan-py
 ASAN_TESTS := test_fastpath.py test_sampled_c.py test_middleware.py test_faults.py test_threads_fork.py \
-  test_borrowed_hooks.py test_borrowed_refs.py test_lifecycle.py test_lifecycle_review.py
+  test_borrowed_hooks.py test_borrowed_refs.py test_lifecycle.py test_lifecycle_review.py \
+  test_review_prof.py
 ASAN_RUN = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:replace_intrin=0:detect_stack_use_after_return=0:abort_on_error=1 \
   $(CURDIR)/$(VPY)

@@ -393,6 +393,9 @@ typedef struct {
     int max_open, open;      /* sampled profiles open at once: cap, count */
     int trigger_open;        /* those of trigger requests (own reserve) */
     size_t max_spans;
+    int call_clock;          /* its profiles' GQP_PROFILE_CALL_CLOCK: the
+                                engine's tracer is shared by every
+                                middleware of the thread */
     PyTypeObject *profile_type;   /* _lowlevel.RequestRawProfile */
     PyObject *clock, *hostname;   /* fields of every RequestProfile */
     /* Armed for one thread's engine (set by Python's _arm): */

@@ -137,7 +137,7 @@ class RawProfile(_ProfileReaders):
     """Owns one gqp_profile."""
 
     def __init__(self, max_spans=10000, keep="first", max_funcs=65536,
-                 max_greenlets=65536):
+                 max_greenlets=65536, clock=None):
         out = ffi.new("gqp_profile **")
         _check(lib.gqp_profile_new(out), "gqp_profile_new")
         self.ptr = ffi.gc(out[0], lib.gqp_profile_free)
@@ -153,6 +153,10 @@ class RawProfile(_ProfileReaders):
         if max_greenlets != 65536:
             self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
                       "max_greenlets")
+        if clock is not None:   # (None: the tracer's call clock)
+            self._set(lib.GQP_PROFILE_CALL_CLOCK,
+                      lib.GQP_CLOCK_WALL if clock == "wall"
+                      else lib.GQP_CLOCK_CPU, "clock")
 
     def _set(self, param, value, name):
         _check(lib.gqp_profile_set(self.ptr, param, int(value)),

@@ -63,3 +63,7 @@ greenlet_profile = None
 #: open_profiles(hooks_address): sampled profiles open in that thread, as
 #: its CPU window counts them (see _sampled.c; tests)
 open_profiles = None
+#: unset_profiles(tracer_address): the tracer's default and session
+#: profiles set to none with the GIL held, so from any thread (see
+#: _sampled.c; profiler._Session.end)
+unset_profiles = None

@@ -182,8 +182,10 @@ static PyObject *lib_error(const char *what, int rc)
 }
 
 /* A new profile for one request, as an instance of type (ProfileRef or a
- * subclass); NULL with an exception set. */
-static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
+ * subclass), its calls timed with `clock` (GQP_CLOCK_*); NULL with an
+ * exception set. */
+static PyObject *profref_make(PyTypeObject *type, size_t max_spans,
+                              int clock)
 {
     if (!PyType_IsSubtype(type, &gqp_profref_type)) {
         PyErr_SetString(PyExc_TypeError, "not a ProfileRef type");
@@ -196,6 +198,11 @@ static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
     if (!(self->p = gqp_py_profile_new(max_spans))) {
         Py_DECREF(self);
         return lib_error("gqp_profile_new", GQP_ENOMEM);
+    }
+    int rc = gqp_profile_set(self->p, GQP_PROFILE_CALL_CLOCK, clock);
+    if (rc != GQP_OK) {
+        Py_DECREF(self);
+        return lib_error("gqp_profile_set", rc);
     }
     return (PyObject *)self;
 }
@@ -217,7 +224,8 @@ static PyObject *new_profile_py(PyObject *self, PyObject *const *args,
         }
         return NULL;
     }
-    return profref_make((PyTypeObject *)args[0], (size_t)max_spans);
+    return profref_make((PyTypeObject *)args[0], (size_t)max_spans,
+                        GQP_CLOCK_TRACER);
 }
 
 /* ---- Request ------------------------------------------------------------ */
@@ -1159,7 +1167,8 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     PyErr_Clear();
     req->method = environ_str(environ, str_method_key, GQP_NOTE_MAX_METHOD);
     req->path = environ_str(environ, str_path_key, GQP_NOTE_MAX_PATH);
-    req->profile = sampled ? profref_make(self->profile_type, self->max_spans)
+    req->profile = sampled ? profref_make(self->profile_type, self->max_spans,
+                                          self->call_clock)
                            : Py_NewRef(Py_None);
     if (!req->request_id || !req->method || !req->path || !req->profile) {
         goto fail;
@@ -2087,8 +2096,12 @@ static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
     }
     Py_XSETREF(rp_type, (PyTypeObject *)Py_NewRef(args[0]));
     Py_XSETREF(rp_loader, Py_NewRef(args[1]));
+    int wall = PyUnicode_Check(args[2]) &&
+               PyUnicode_CompareWithASCIIString(args[2], "wall") == 0;
     Py_XSETREF(self->clock, Py_NewRef(args[2]));
     Py_XSETREF(self->hostname, Py_NewRef(args[3]));
+    /* (each middleware's own clock, whichever made the thread's tracer) */
+    self->call_clock = wall ? GQP_CLOCK_WALL : GQP_CLOCK_CPU;
     Py_RETURN_NONE;
 }
 
@@ -2214,6 +2227,28 @@ static PyMethodDef new_profile_def = {
     "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
     METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
 
+/* _registry.unset_profiles(tracer): the tracer's default and session
+ * profiles set to none, the GIL held all along: from a thread other than
+ * the tracer's, this is ordered with its hooks (which hold the GIL), where
+ * a cffi call would release it.  GQP_OK or a negative GQP_E* code. */
+static PyObject *unset_profiles_py(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int rc = t ? gqp_tracer_set_session(t, NULL) : GQP_EINVAL;
+    if (rc == GQP_OK) {
+        rc = gqp_tracer_set_default(t, NULL);
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef unset_profiles_def = {
+    "unset_profiles", (PyCFunction)unset_profiles_py, METH_O,
+    "unset_profiles(tracer) (internal)."};
+
 /* Registers this file's types and functions in _registry.  0 or -1. */
 static int gqp_py_sampled_init(PyObject *reg)
 {
@@ -2273,7 +2308,7 @@ static int gqp_py_sampled_init(PyObject *reg)
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
                            &new_profile_def, &set_spawn_profile_def,
                            &finish_pending_def, &greenlet_profile_def,
-                           &open_profiles_def};
+                           &open_profiles_def, &unset_profiles_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

@@ -2,14 +2,13 @@
 kept with the request they belong to and logged as WARNINGs that do not
 flood (one per site, the code that held the loop, per blocking_interval;
 the rest summed up; issue 16, item 5)."""
-import json
 import os
 from time import monotonic as _monotonic
 
 from . import _collect, _lowlevel, _registry, logs
 from ._lowlevel import NS
 from .report import blocking_site, render_blocking, safe
-from .request_profile import BlockingEvent
+from .request_profile import BlockingEvent, fit_json
 
 #: greqprof's own directory: its frames are not the app's
 OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -126,7 +125,7 @@ def log_blocking(mw, ev):
                     if sites.pending else ():
                 _log_summary(mw, *summary)
             if mw.json_logs:
-                mw.log.warning(json.dumps(ev.to_dict()))
+                mw.log.warning(ev.to_json(max_bytes=mw.json_max_bytes))
             else:
                 mw.log.warning(render_blocking(ev))
             logged = True
@@ -153,9 +152,10 @@ def log_summaries(mw, force=False):
 
 def _log_summary(mw, site, n, longest, seconds):
     if mw.json_logs:
-        mw.log.warning(json.dumps({
+        mw.log.warning(fit_json({
             "schema": "greqprof.blocking_summary/1", "site": site,
-            "not_logged": n, "longest": longest, "interval": seconds}))
+            "not_logged": n, "longest": longest, "interval": seconds},
+            mw.json_max_bytes))
     else:
         mw.log.warning(
             "Blocking spans not logged: %d more at %s within %g s of "

@@ -399,7 +399,7 @@ class Inspector:
                ("download:", None)]
         nav.append(("json", self._url(environ, "/p/%d.json" % pid)))
         for name in ("trace", "speedscope", "offcpu", "pstats", "callgrind",
-                     "html", "text"):
+                     "pprof", "html", "text"):
             r = RENDERERS.get(name)
             if r is None or (r.needs_calls and not profile.calls):
                 continue

@@ -94,7 +94,10 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
 {
     gqp_py_thread *st = ((gqp_hookref *)obj)->st;
     if (!st) {
-        return 0;
+        gqp_hookref *ref = (gqp_hookref *)obj;   /* (a pass-through) */
+        return ref->fwd_prof ? ref->fwd_prof(ref->fwd_prof_obj, frame, what,
+                                             arg)
+                             : 0;
     }
     st_enter(st);
     if (st->active && st->calls) {

@@ -58,6 +58,13 @@ static _Thread_local gqp_py_thread *gqp__tls;
 typedef struct {
     PyObject_HEAD
     gqp_py_thread *st;
+    /* Once st is gone (NULL), what the hooks pass every event on to: the
+     * hooks they had replaced.  A hook that another tool chained on top
+     * of (gevent's monitor thread does) is left in place at stop, so its
+     * chain is not broken; it then only forwards. */
+    PyObject *fwd_trace;
+    Py_tracefunc fwd_prof;
+    PyObject *fwd_prof_obj;
 } gqp_hookref;
 
 /* Fetched from greqprof._registry by gqp_py_init. */
@@ -67,6 +74,7 @@ static PyObject *reg_long;      /* list of long-span records */
 static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
 static PyObject *reg_hub_ids;   /* thread ident -> its hub's id */
 static PyObject *greenlet_settrace;
+static PyObject *greenlet_gettrace;
 static PyObject *greenlet_getcurrent;
 /* greenlet's `dead`, `gr_frame` and `parent` descriptors, called through
  * their type's __get__ slot: an attribute lookup per switch costs more. */

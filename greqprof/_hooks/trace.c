@@ -85,7 +85,10 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         Py_RETURN_NONE;
     }
     if (!st) {
-        Py_RETURN_NONE;
+        /* A pass-through left in another tool's chain (hookref). */
+        PyObject *fwd = ((gqp_hookref *)self)->fwd_trace;
+        return fwd ? PyObject_Vectorcall(fwd, args, (size_t)nargs, NULL)
+                   : Py_NewRef(Py_None);
     }
     st_enter(st);
     if (st->active) {

@@ -13,6 +13,7 @@ from .callgrind import CallgrindRenderer
 from .html import HtmlRenderer
 from .json_renderer import JsonRenderer
 from .offcpu import OffCpuRenderer
+from .pprof_renderer import PprofRenderer
 from .pstats_renderer import PstatsRenderer
 from .speedscope import SpeedscopeRenderer
 from .text import TextRenderer
@@ -22,7 +23,7 @@ from .trace_event import TraceEventRenderer
 RENDERERS = {r.name: r for r in (
     HtmlRenderer(), TextRenderer(), TraceEventRenderer(),
     SpeedscopeRenderer(), PstatsRenderer(), CallgrindRenderer(),
-    JsonRenderer(), OffCpuRenderer())}
+    JsonRenderer(), OffCpuRenderer(), PprofRenderer())}
 
 def register(renderer):
     """Adds (or replaces) a renderer under ``renderer.name``."""

@@ -1,0 +1,457 @@
+"""Route names for requests, and per-route aggregates with a bounded table.
+
+A request's route is, first to last (the first that gives a name wins):
+
+1. ``set_route(name)``, called by the app while it serves the request;
+2. the framework's route template: Flask's matched ``url_rule`` (through
+   :func:`install_flask_hook`), Django's ``resolver_match.route`` (through
+   :class:`DjangoRouteMiddleware`), or anything that put a template under
+   ``environ[ROUTE_KEY]``;
+3. the ``route=`` callable, ``environ -> str`` (None: no opinion);
+4. the request path with id-like segments (integers, UUIDs, hex of 16
+   characters or more) replaced by ``{id}``: ``/items/123/detail`` ->
+   ``/items/{id}/detail``.
+
+Names are clean text (greqprof/_text.py) of at most ``MAX_ROUTE``
+characters.  :class:`RouteTable` keeps at most ``max_routes`` of them;
+requests of any further route are counted under ``OTHER``.
+
+Pure Python and standalone: nothing here runs per greenlet switch or per
+function call, and nothing here is wired into the middleware yet."""
+import contextvars
+import math
+import re
+import sys
+import threading
+from array import array
+
+from ._text import clean
+
+__all__ = ["set_route", "path_route", "framework_route", "RouteNamer",
+           "RouteTable", "RouteStats", "WallHistogram", "DjangoRouteMiddleware",
+           "install_flask_hook", "ROUTE_KEY", "OTHER", "ID", "MAX_ROUTE",
+           "MAX_ROUTES"]
+
+#: environ key under which a framework hook leaves the route template
+ROUTE_KEY = "greqprof.route"
+#: the route that counts the requests of routes past ``max_routes``
+OTHER = "<other>"
+#: what replaces an id-like path segment
+ID = "{id}"
+#: longest route name (characters, after cleaning); longer ones are cut
+#: and end in "..."
+MAX_ROUTE = 200
+#: default ``max_routes``
+MAX_ROUTES = 500
+#: characters of a path looked at (a longer path is cut first: the name
+#: is cut to MAX_ROUTE anyway)
+_MAX_PATH = 4 * MAX_ROUTE
+
+# (long hex needs a digit: "/facadefacadefacade" is a word)
+_ID_SEGMENT = re.compile(
+    r"[0-9]+|(?=[a-fA-F]*[0-9])[0-9a-fA-F]{16,}|"
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+    r"[0-9a-fA-F]{12}")
+
+
+def _name(text):
+    """Clean text of at most MAX_ROUTE characters."""
+    text = clean(text)
+    if len(text) > MAX_ROUTE:
+        text = text[:MAX_ROUTE - 3] + "..."
+    return text
+
+
+# ---------------------------------------------------------------------------
+# set_route: a per-request slot the app writes and the middleware reads
+
+class RouteSlot:
+    """Where ``set_route`` leaves the name of the request being served."""
+    __slots__ = ("name",)
+
+    def __init__(self):
+        self.name = None
+
+
+_slot = contextvars.ContextVar("greqprof_route_slot", default=None)
+
+
+def open_slot():
+    """Called by the middleware when a request starts: (slot, token).  The
+    middleware reads ``slot.name`` when the request ends and passes the
+    token to :func:`close_slot`."""
+    slot = RouteSlot()
+    return slot, _slot.set(slot)
+
+
+def close_slot(token):
+    _slot.reset(token)
+
+
+def set_route(name):
+    """Names the route of the request being served (it wins over every
+    other way of naming it).  Call it from the greenlet (or thread) that
+    serves the request: greenlets the request spawned start with an empty
+    context and do not see the request.  Returns True when a request took
+    the name, False outside a request.  TypeError/ValueError for a name
+    that is not a non-empty str."""
+    if not isinstance(name, str):
+        raise TypeError("set_route: the route name must be a str, got %s"
+                        % type(name).__name__)
+    if not name:
+        raise ValueError("set_route: the route name must not be empty")
+    slot = _slot.get()
+    if slot is None:
+        return False
+    slot.name = _name(name)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# naming a request
+
+def _wsgi_text(value):
+    """WSGI path text (latin-1 decoded bytes) as the UTF-8 it most likely
+    was; kept as it is when it is not UTF-8 (cleaned later)."""
+    if isinstance(value, (bytes, bytearray)):
+        raw = bytes(value)
+    else:
+        try:
+            raw = value.encode("latin-1")
+        except UnicodeEncodeError:
+            return value   # (not WSGI text: already decoded)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
+def path_route(path):
+    """``path`` with its id-like segments replaced by ``{id}``: integers,
+    UUIDs and hex strings of 16 characters or more with a digit among them
+    (a str in WSGI's latin-1
+    form or bytes; decoded as UTF-8 when it is UTF-8)."""
+    if path is None:
+        path = ""
+    if not isinstance(path, (str, bytes, bytearray)):
+        raise TypeError("path_route: a path is a str or bytes, got %s"
+                        % type(path).__name__)
+    path = _wsgi_text(path[:_MAX_PATH])
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if part and _ID_SEGMENT.fullmatch(part):
+            parts[i] = ID
+    return _name("/".join(parts) or "/")
+
+
+def framework_route(environ):
+    """The route template the framework matched, when a hook left it in
+    ``environ[ROUTE_KEY]`` (Flask through :func:`install_flask_hook`,
+    Django through :class:`DjangoRouteMiddleware`) or werkzeug's request
+    object is still in the environ with Flask's ``url_rule``; else None.
+    Prefixed with ``SCRIPT_NAME`` (where the app is mounted)."""
+    template = environ.get(ROUTE_KEY)
+    if not template:
+        req = environ.get("werkzeug.request")
+        rule = getattr(getattr(req, "url_rule", None), "rule", None)
+        if not rule:
+            return None
+        template = rule
+    if not isinstance(template, str):
+        return None
+    root = environ.get("SCRIPT_NAME") or ""
+    if isinstance(root, str) and root:
+        template = _wsgi_text(root).rstrip("/") + "/" + template.lstrip("/")
+    return _name(template)
+
+
+class RouteNamer:
+    """``namer(environ, slot=None)`` -> the route name of a request (see
+    the module's docstring for the order).  ``route`` is the ``route=``
+    option: a callable ``environ -> str`` or None; when it raises or
+    returns something other than a str or None, the path is used and
+    ``errors`` counts it (``last_error`` says what happened)."""
+
+    def __init__(self, route=None):
+        if route is not None and not callable(route):
+            raise TypeError("route must be a callable environ -> str, "
+                            "got %s" % type(route).__name__)
+        self.route = route
+        self.errors = 0
+        self.last_error = None
+
+    def __call__(self, environ, slot=None):
+        if slot is not None and slot.name:
+            return slot.name
+        name = framework_route(environ)
+        if name:
+            return name
+        if self.route is not None:
+            try:
+                name = self.route(environ)
+                if isinstance(name, str) and name:
+                    return _name(name)
+                if name is not None and name != "":
+                    raise TypeError("route returned %s, not a str"
+                                    % type(name).__name__)
+            except Exception as e:
+                self.errors += 1
+                self.last_error = clean("%s: %s" % (type(e).__name__, e),
+                                        300)
+        return path_route((environ.get("SCRIPT_NAME") or "") +
+                          (environ.get("PATH_INFO") or ""))
+
+
+# ---------------------------------------------------------------------------
+# framework hooks
+
+def _flask_request_started(sender, **extra):
+    try:
+        from flask import request
+        rule = request.url_rule
+        if rule is not None:
+            request.environ[ROUTE_KEY] = rule.rule
+    except Exception:
+        pass   # (a route name is never worth breaking the request)
+
+
+_flask_lock = threading.Lock()
+_flask_hooked = False
+
+
+def install_flask_hook():
+    """Connects to Flask's ``request_started`` signal (once per process),
+    which leaves each request's matched ``url_rule`` in the environ (Flask
+    clears its request from the environ before the response is sent, so
+    the template cannot be read afterwards).  Returns False when Flask is
+    not imported (it is never imported from here) or has no signals."""
+    global _flask_hooked
+    flask = sys.modules.get("flask")
+    if flask is None:
+        return False
+    with _flask_lock:
+        if not _flask_hooked:
+            try:
+                flask.request_started.connect(_flask_request_started,
+                                              weak=False)
+            except Exception:   # (an old Flask without blinker)
+                return False
+            _flask_hooked = True
+    return True
+
+
+class DjangoRouteMiddleware:
+    """Django middleware that leaves the matched route template
+    (``request.resolver_match.route``, e.g. ``items/<int:pk>/``) in the
+    WSGI environ.  Add ``"greqprof.routes.DjangoRouteMiddleware"`` to
+    ``MIDDLEWARE``."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_view(self, request, view_func, view_args, view_kwargs):
+        try:
+            route = request.resolver_match.route
+            if route:
+                request.environ[ROUTE_KEY] = "/" + route.lstrip("^")
+        except Exception:
+            pass
+        return None
+
+
+# ---------------------------------------------------------------------------
+# aggregates
+
+class WallHistogram:
+    """Counts of durations in fixed log-spaced buckets: 8 per doubling from
+    ``LOW`` (1 microsecond) to ``LOW * 2**(BUCKETS/8)`` (17,180 s),
+    one bucket below and one above.  A quantile estimate is the geometric
+    middle of the bucket that holds the quantile's sample, clamped to the
+    smallest and largest durations seen: within a factor 2**(1/16) (4.4 %)
+    of the exact nearest-rank quantile, or within LOW of it below LOW;
+    above the top bucket (4.8 hours) the estimate is the largest
+    duration seen."""
+    LOW = 1e-6
+    PER_DOUBLING = 8
+    BUCKETS = 8 * 34
+    _RATIO = 2 ** (1 / PER_DOUBLING)
+    _LOG_RATIO = math.log(_RATIO)
+    __slots__ = ("counts", "n", "total", "min", "max")
+
+    def __init__(self):
+        self.counts = array("Q", bytes(8 * (self.BUCKETS + 2)))
+        self.n = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = 0.0
+
+    def add(self, seconds):
+        if seconds < self.LOW:
+            i = 0
+        else:
+            i = int(math.log(seconds / self.LOW) / self._LOG_RATIO) + 1
+            if i > self.BUCKETS + 1:
+                i = self.BUCKETS + 1
+        self.counts[i] += 1
+        self.n += 1
+        self.total += seconds
+        if seconds < self.min:
+            self.min = seconds
+        if seconds > self.max:
+            self.max = seconds
+
+    def quantile(self, q):
+        """Estimated nearest-rank ``q`` quantile (0 < q <= 1) in seconds;
+        None when empty."""
+        if not 0 < q <= 1:
+            raise ValueError("a quantile is in (0, 1], got %r" % (q,))
+        if not self.n:
+            return None
+        rank = max(math.ceil(q * self.n - 1e-9), 1)
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank:
+                break
+        if i == 0:
+            est = self.LOW / 2
+        elif i == self.BUCKETS + 1:
+            est = self.max
+        else:
+            est = self.LOW * self._RATIO ** (i - 0.5)
+        return min(max(est, self.min), self.max)
+
+
+def _seconds(what, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise ValueError("%s must be a finite number of seconds >= 0, got "
+                         "%r" % (what, value))
+    return float(value)
+
+
+class RouteStats:
+    """Aggregates of one route since the table started.  ``cpu_sum`` and
+    ``waiting_sum`` are over the ``sampled`` requests only."""
+    __slots__ = ("route", "requests", "errors", "wall", "sampled",
+                 "cpu_sum", "cpu_n", "waiting_sum", "waiting_n", "blocking",
+                 "blocked")
+
+    def __init__(self, route):
+        self.route = route
+        self.requests = 0
+        self.errors = 0
+        self.wall = WallHistogram()
+        self.sampled = 0
+        self.cpu_sum = 0.0
+        self.cpu_n = 0
+        self.waiting_sum = 0.0
+        self.waiting_n = 0
+        self.blocking = 0
+        self.blocked = 0.0
+
+    def to_record(self):
+        """A plain dict (see :meth:`RouteTable.to_records`)."""
+        w = self.wall
+        cpu = self.cpu_sum / self.cpu_n if self.cpu_n else None
+        return {
+            "route": self.route,
+            "requests": self.requests,
+            "errors": self.errors,
+            "sampled": self.sampled,
+            "wall_mean": w.total / w.n if w.n else None,
+            "wall_max": w.max if w.n else None,
+            "wall_p50": w.quantile(0.5),
+            "wall_p95": w.quantile(0.95),
+            "wall_p99": w.quantile(0.99),
+            "cpu": cpu,
+            "cpu_total": cpu * self.requests if cpu is not None else None,
+            "waiting": (self.waiting_sum / self.waiting_n
+                        if self.waiting_n else None),
+            "blocking": self.blocking,
+            "blocked": self.blocked,
+        }
+
+
+class RouteTable:
+    """Per-route aggregates of every request, bounded: at most
+    ``max_routes`` routes (default 500), then one more, ``OTHER``, which
+    counts the requests of every route that did not fit.  Thread-safe."""
+
+    def __init__(self, max_routes=MAX_ROUTES):
+        if isinstance(max_routes, bool) or not isinstance(max_routes, int) \
+                or max_routes < 1:
+            raise ValueError("max_routes must be an int >= 1, got %r"
+                             % (max_routes,))
+        self.max_routes = max_routes
+        self._routes = {}
+        self._lock = threading.Lock()
+        #: requests counted under OTHER because the table was full
+        self.overflowed = 0
+
+    def record(self, route, wall, error=False, sampled=False, cpu=None,
+               waiting=None, blocking=0, blocked=0.0):
+        """Counts one request of ``route`` that took ``wall`` seconds;
+        ``error`` for a 5xx status or an exception.  ``sampled`` requests
+        (profiled ones) may bring their ``cpu`` and ``waiting`` seconds;
+        ``blocking`` is the number of blocking events the request had and
+        ``blocked`` their seconds.  ValueError/TypeError for bad values."""
+        if not isinstance(route, str) or not route:
+            raise TypeError("route must be a non-empty str, got %r"
+                            % (route,))
+        wall = _seconds("wall", wall)
+        if cpu is not None:
+            cpu = _seconds("cpu", cpu)
+        if waiting is not None:
+            waiting = _seconds("waiting", waiting)
+        if (cpu is not None or waiting is not None) and not sampled:
+            raise ValueError("cpu and waiting come from sampled requests: "
+                             "pass sampled=True with them")
+        if isinstance(blocking, bool) or not isinstance(blocking, int) or \
+                blocking < 0:
+            raise ValueError("blocking must be an int >= 0, got %r"
+                             % (blocking,))
+        blocked = _seconds("blocked", blocked)
+        with self._lock:
+            st = self._routes.get(route)
+            if st is None:
+                if len(self._routes) >= self.max_routes and \
+                        route != OTHER:
+                    self.overflowed += 1
+                    route = OTHER
+                    st = self._routes.get(OTHER)
+                if st is None:
+                    st = self._routes[route] = RouteStats(route)
+            st.requests += 1
+            if error:
+                st.errors += 1
+            st.wall.add(wall)
+            if sampled:
+                st.sampled += 1
+                if cpu is not None:
+                    st.cpu_sum += cpu
+                    st.cpu_n += 1
+                if waiting is not None:
+                    st.waiting_sum += waiting
+                    st.waiting_n += 1
+            st.blocking += blocking
+            st.blocked += blocked
+
+    def __len__(self):
+        return len(self._routes)
+
+    def to_records(self):
+        """One plain dict per route, most requests first: ``route``,
+        ``requests``, ``errors``, ``sampled`` (counts); ``wall_mean``,
+        ``wall_max`` and the estimates ``wall_p50``, ``wall_p95``,
+        ``wall_p99`` (seconds, see :class:`WallHistogram`); ``cpu`` and
+        ``waiting``, estimated seconds per request from the sampled
+        requests (None until one was sampled), ``cpu_total`` = ``cpu`` x
+        ``requests``; ``blocking`` (events) and ``blocked`` (seconds)."""
+        with self._lock:
+            records = [st.to_record() for st in self._routes.values()]
+        records.sort(key=lambda r: (-r["requests"], r["route"]))
+        return records
