@@ -228,6 +228,28 @@ static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names)
     return res;
 }
 
+/* ("Greenlet", fn_name) of the live greenlet of st's thread whose tracer
+ * id is id, by the function kept for it; a new reference, or NULL.  A scan
+ * of the slots: made only for a greenlet a profile names that was never
+ * named (read_profile's waiting top). */
+static PyObject *run_names_of_id(gqp_py_thread *st, uint64_t id)
+{
+    for (size_t i = 0; i < GQP_RUNS; i++) {
+        gqp_run *r = &gqp_runs[i];
+        uint64_t rid = 0;
+        if (r->fn && r->st == st &&
+            gqp_tracer_greenlet_id(st->tracer, r->key, &rid) == GQP_OK &&
+            rid == id) {
+            PyObject *fn_name = run_name(r->fn);
+            PyObject *res = fn_name ? Py_BuildValue("(sN)", "Greenlet",
+                                                    fn_name) : NULL;
+            PyErr_Clear();
+            return res;
+        }
+    }
+    return NULL;
+}
+
 static PyObject *or_none(PyObject *v)
 {
     return v ? v : Py_None;   /* borrowed */
