@@ -120,6 +120,10 @@ struct gqp_tracer {
     size_t tomb_next;
     gqp__map tmap;          /* key -> index + 1 of its tomb */
 
+    /* Greenlets attached to a profile.  While there are none (and no
+     * default or session profile), nobody's waiting time is being
+     * measured: spans go to no profile and skip the history. */
+    size_t attached;
     hist_entry *hist;
     size_t hist_cap, hist_len, hist_head;
     uint64_t hist_overwritten_end; /* end of the newest entry overwritten */
@@ -180,11 +184,12 @@ GQP_API int gqp_tracer_new(gqp_tracer **out)
 
 /* Points g's spans at p (may be NULL), keeping references and the
  * profiles' attached counts right. */
-static void set_profile(gqp__greenlet *g, gqp_profile *p)
+static void set_profile(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p)
 {
     if (p == g->profile) {
         return;
     }
+    t->attached += (p != NULL) - (g->profile != NULL);
     g->wait_pending = false; /* a wait is charged only where it began */
     if (p) {
         gqp_profile_retain(p);
@@ -217,10 +222,10 @@ static void shadow_free(gqp__greenlet *g)
     }
 }
 
-static void greenlet_release(gqp__greenlet *g)
+static void greenlet_release(gqp_tracer *t, gqp__greenlet *g)
 {
     shadow_free(g);
-    set_profile(g, NULL);
+    set_profile(t, g, NULL);
     set_spawn(g, NULL);
     gqp__free(g->stack);
     gqp__map_free(&g->rec);
@@ -234,7 +239,7 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
     }
     for (size_t i = 0; i < t->gmap.cap; i++) {
         if (t->gmap.keys[i]) {
-            greenlet_release((gqp__greenlet *)(uintptr_t)t->gmap.vals[i]);
+            greenlet_release(t, (gqp__greenlet *)(uintptr_t)t->gmap.vals[i]);
         }
     }
     gqp__map_free(&t->gmap);
@@ -605,7 +610,7 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
         t->cur = NULL;
     }
     shadow_free(g);
-    set_profile(g, NULL);
+    set_profile(t, g, NULL);
     set_spawn(g, NULL);
     gqp__free(g->stack);
     gqp__map_free(&g->rec);
@@ -637,7 +642,7 @@ static inline gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
 static gqp_profile *effective_slow(gqp_tracer *t, gqp__greenlet *g)
 {
     if (g->profile && g->profile->closed) {
-        set_profile(g, NULL);
+        set_profile(t, g, NULL);
     }
     gqp_profile *p = g->profile;
     if (!p && t->deflt && !t->deflt->closed) {
@@ -709,7 +714,10 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
         s.flags |= GQP_SPAN_LONG;
         ev |= GQP_EV_LONG_SPAN;
     }
-    gqp_profile *p = effective(t, g);
+    /* (an unattached greenlet with no stack to drop goes to no profile:
+     * the common case of a server's unsampled requests) */
+    gqp_profile *p = g->profile || t->deflt || g->stack_serial
+                         ? effective(t, g) : NULL;
     size_t idx = SIZE_MAX;
     if (p) {
         bool dropped;
@@ -721,7 +729,9 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
     if (t->session && t->session != p) {
         session_span(t, g, &s);
     }
-    history_push(t, &s, p ? p->serial : 0);
+    if (p || t->attached || t->session) {
+        history_push(t, &s, p ? p->serial : 0);
+    }
     if (p != t->last_profile) {
         /* Switches mostly stay within one profile: skip the atomics. */
         if (p) {
@@ -1202,7 +1212,7 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         discard_frames(t, g); /* a paused greenlet's frames */
     }
     shadow_reset(g, t->session);
-    set_profile(g, p);
+    set_profile(t, g, p);
     set_spawn(g, NULL);
     gqp_profile *eff = effective(t, g);
     reset_stack(g, eff ? eff->generation : 0);
@@ -1239,7 +1249,7 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
         }
     }
     if (cg && cg != pg) {
-        set_profile(cg, p && !p->closed ? p : NULL);
+        set_profile(t, cg, p && !p->closed ? p : NULL);
     }
     gqp_profile_free(p);
     return rc;

@@ -484,7 +484,9 @@ GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
  * recent span history: the total, and the
  * top `n` greenlets by time written to ids[]/ns[].  Returns the number of
  * entries written; *complete is 0 when the history no longer reached back
- * to start_ns. */
+ * to start_ns.  The history keeps the spans closed while some greenlet is
+ * attached to a profile or a default or session profile is set (a span
+ * closed while none is, in no profile, is not kept). */
 GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                               int64_t start_ns, int64_t end_ns,
                               int64_t *total_ns, uint64_t *ids, int64_t *ns,

@@ -884,6 +884,49 @@ TEST(waited_totals_and_top_n)
     gqp_profile_free(mine);
 }
 
+/* Spans closed while no greenlet is attached to a profile (and there is
+ * no default or session) are not kept in the history: a server's
+ * unsampled requests skip it.  Once one is attached they are kept. */
+TEST(waited_history_only_while_attached)
+{
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+    int64_t t0 = c.wall;
+    EV(gqp_tracer_switch(t, 0, KH, 0));
+    fc_run(&c, 7);
+    EV(gqp_tracer_switch(t, KH, KG, 0)); /* H's span: nobody attached */
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 3);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_run(&c, 5);
+    EV(gqp_tracer_switch(t, KH, KG, 0)); /* H's span: G attached */
+    uint64_t h = gid(t, KH);
+    uint64_t ids[2] = {0};
+    int64_t ns[2] = {0}, total = -1;
+    int complete = -1;
+    int rc = gqp_tracer_waited(t, mine, t0, c.wall, &total, ids, ns, 2,
+                               &complete);
+    ASSERT_EQ_I64(rc, 1);
+    ASSERT_EQ_U64(ids[0], h);
+    ASSERT_EQ_I64(ns[0], 5); /* (not 12: the first span is not kept) */
+    ASSERT_EQ_I64(total, 5);
+    /* detached: G's spans go to no profile and are not kept either */
+    ASSERT_OK(gqp_tracer_attach(t, KG, NULL));
+    int64_t t1 = c.wall;
+    fc_run(&c, 4);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_run(&c, 2);
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    rc = gqp_tracer_waited(t, NULL, t1, c.wall, &total, ids, ns, 2,
+                           &complete);
+    ASSERT_EQ_I64(rc, 0);
+    ASSERT_EQ_I64(total, 0);
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
 /* A window of n other greenlets, greenlet k running 1 + (k * 7) % 13 ns
  * between two spans of mine: the total, and the top 8 by time (ids of
  * equal times in any order).  With mine's greenlet, n = 63 fills
