@@ -120,7 +120,8 @@ venv: $(VPY)
 pytest: venv
 	$(VPY) -m pytest -q -p no:cacheprovider
 
-# The extension (_hooks.c, _fastpath.c, _sampled.c and libgreqprof as
+# The extension (_hooks.c with its parts in greqprof/_hooks/, _fastpath.c,
+# _sampled.c and libgreqprof as
 # compiled into it) under AddressSanitizer, through the tests that exercise
 # it hardest.  Heap
 # checks only: greenlet copies stacks around, which stack instrumentation

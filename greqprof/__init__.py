@@ -7,10 +7,11 @@ by the C library libgreqprof.
 from ._lowlevel import library_version
 from .errors import (ConfigError, GreqprofError, LibraryError,
                      ProfilerStateError)
-from .middleware import ProfileHandle, ProfilingMiddleware, current_profile
+from .handle import ProfileHandle, current_profile
+from .middleware import ProfilingMiddleware
 from .profiler import Profiler
-from .request_profile import BlockingEvent, RequestProfile, Waiting, WaitedOn
-from .stats import ChildStat, FuncStat, GreenletStat, Span
+from .request_profile import BlockingEvent, RequestProfile
+from .stats import ChildStat, FuncStat, GreenletStat, Span, Waiting, WaitedOn
 
 __version__ = "0.1.0"
 

@@ -6,8 +6,8 @@ import struct
 from . import _registry
 from ._lowlevel import NS, ClockOrigin, func_info
 from ._text import clean, clean_lines
-from .request_profile import WaitedOn, WaitEvent, Waiting, WaitSite
-from .stats import ChildStat, FuncStat, GreenletStat, Span
+from .stats import (ChildStat, FuncStat, GreenletStat, Span, WaitedOn,
+                    WaitEvent, Waiting, WaitSite)
 
 SPAN_FINISHED = 0x1
 SPAN_LONG = 0x4
@@ -49,7 +49,7 @@ def _printable(text):
 
 
 def blocking_texts(name, fn, stack, sampled, method, path, rid):
-    """A blocking event's texts, cleaned (middleware._blocking_event)."""
+    """A blocking event's texts, cleaned (blocking._blocking_event)."""
     return (clean(name), clean(fn), clean_lines(stack), clean_lines(sampled),
             clean(method), clean(path), clean(rid))
 

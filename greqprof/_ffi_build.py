@@ -2,6 +2,7 @@
 
 Run by setuptools through ``cffi_modules`` (see setup.py).
 """
+import glob
 import os
 
 from cffi import FFI
@@ -133,6 +134,9 @@ size_t gqp_py_read_greenlets(gqp_profile *p, gqp_greenlet_stat *out,
 int gqp_render_init(void);
 """
 
+# _hooks.c #includes its parts from _hooks/ (one translation unit).
+HOOK_PARTS = sorted(glob.glob(os.path.join(HERE, "_hooks", "*.[ch]")))
+
 ffi = FFI()
 ffi.cdef(CDEF)
 ffi.set_source(
@@ -143,7 +147,8 @@ ffi.set_source(
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
     # _core.c only #includes these: rebuild when they change.
     depends=[os.path.relpath(p, ROOT) for p in (
-        os.path.join(HERE, "_hooks.c"), os.path.join(HERE, "_fastpath.c"),
+        os.path.join(HERE, "_hooks.c"), *HOOK_PARTS,
+        os.path.join(HERE, "_fastpath.c"),
         os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_render.c"),
         os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",

@@ -22,6 +22,10 @@ _engines_lock = threading.Lock()
 _local = RealThreadLocal()
 _fork_generation = [0]
 
+#: running Profilers (profiler.py keeps it): one whose session holds a
+#: thread's hooks gives way to a new engine there (_new_engine)
+running_profilers = weakref.WeakSet()
+
 
 def _after_fork_in_child():
     # The child starts clean: the engines (and the open profiles they
@@ -94,7 +98,7 @@ class Engine:
         # greenlet id -> request whose profile waits for its children
         self.lingering = {}
         # sampled requests waiting for their greenlets, and the greenlet
-        # that finishes them (middleware._finisher_loop)
+        # that finishes them (loops._finisher_loop)
         self.pending = []
         self.finisher = None
         self.finisher_wake = None
@@ -171,14 +175,23 @@ def _new_engine(config):
     try:
         return Engine(config)
     except ProfilerStateError:
-        from .profiler import _session_of_thread
-        session = _session_of_thread(real_get_ident())
+        session = _profiler_session(real_get_ident())
         if session is None:
             raise
         session.tracer.uninstall()
         eng = Engine(config)
         session.share(eng)
         return eng
+
+
+def _profiler_session(ident):
+    """The session of a running Profiler that holds the hooks of thread
+    ident (Profiler._session_holding_hooks), or None."""
+    for prof in list(running_profilers):
+        session = prof._session_holding_hooks(ident)
+        if session is not None:
+            return session
+    return None
 
 
 def fork_generation():

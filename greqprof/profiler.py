@@ -2,9 +2,9 @@
 import os
 import sys
 import threading
-import weakref
 
 from . import _collect
+from .engine import current_engine, running_profilers
 from ._lowlevel import RawProfile, RawTracer, real_get_ident
 from .errors import ConfigError, ProfilerStateError
 
@@ -34,28 +34,12 @@ MAX_STACK_THRESHOLD = 3600.0
 MAX_DEPTH = 1 << 24
 
 
-_running_profilers = weakref.WeakSet()
-
-
-def _session_of_thread(ident):
-    """The session of a running Profiler with its own hooks in thread
-    ident, or None (engine.py: a ProfilingMiddleware's engine takes the
-    thread's hooks over)."""
-    for prof in list(_running_profilers):
-        with prof._lock:
-            for s in prof._sessions:
-                if s.thread_ident == ident and s.engine is None and \
-                        s.tracer is not None and prof._running:
-                    return s
-    return None
-
-
 def _after_fork_in_child():
     # The child keeps profiling the thread that forked, from a clean slate:
     # data recorded before the fork belongs to the parent, and the other
     # threads' sessions have no thread here.
     me = real_get_ident()
-    for prof in list(_running_profilers):
+    for prof in list(running_profilers):
         prof._forked(me)
 
 
@@ -192,8 +176,18 @@ class Profiler:
             self._sessions.append(session)
         return session
 
+    def _session_holding_hooks(self, ident):
+        """This Profiler's session with its own hooks in thread ident, or
+        None (engine.py: a ProfilingMiddleware's engine takes the thread's
+        hooks over)."""
+        with self._lock:
+            for s in self._sessions:
+                if s.thread_ident == ident and s.engine is None and \
+                        s.tracer is not None and self._running:
+                    return s
+        return None
+
     def _new_session(self):
-        from .engine import current_engine
         eng = current_engine()
         if eng is not None:
             return self._join_engine(eng)
@@ -222,7 +216,7 @@ class Profiler:
         self._new_session()
         self._running = True
         self._starter = real_get_ident()
-        _running_profilers.add(self)
+        running_profilers.add(self)
         if hasattr(threading, "getprofile"):
             self._prev_thread_profile = threading.getprofile()
         threading.setprofile(self._thread_bootstrap)
@@ -259,7 +253,7 @@ class Profiler:
                 "Profiler.stop() must be called from the thread that "
                 "called start()")
         self._running = False
-        _running_profilers.discard(self)
+        running_profilers.discard(self)
         threading.setprofile(self._prev_thread_profile)
         with self._lock:
             sessions = list(self._sessions)

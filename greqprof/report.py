@@ -12,6 +12,9 @@ formatting, so the text is the same either way."""
 import heapq
 import time
 
+from . import _lowlevel, _registry
+from ._collect import (GREENLET_ROW, SPAN_ROW, WAIT_SITE_ROW, _clean_names,
+                       _clean_stacks, request_names, request_records)
 from ._text import clean, clean_lines
 
 MAX_FIELD = 1024
@@ -183,8 +186,6 @@ def _record_parts(p, n_spans, n_greenlets):
 def _raw_parts(raw, n_spans, n_greenlets):
     """_Parts straight from read_profile's tuple (see
     _collect.request_records, whose records these lines must match)."""
-    from ._collect import (GREENLET_ROW, SPAN_ROW, _clean_names,
-                           _clean_stacks, request_names)
     (span_rows, greenlet_rows, _longest, _end, wait_ns, top, complete,
      _ds, _dc, epoch0, wall0, names, stacks) = raw[:13]
     names = request_names(_clean_names(names))
@@ -241,7 +242,6 @@ def _raw_parts(raw, n_spans, n_greenlets):
 def _parts(p, n_spans, n_greenlets):
     loader = p.__dict__.get("_loader")
     if loader is not None:
-        from ._collect import request_records
         if loader[0] is request_records:
             try:
                 return _raw_parts(loader[1], n_spans, n_greenlets)
@@ -260,7 +260,7 @@ def _waits(p):
     if loader is not None:
         if "waits" not in type(p).DEFERRED:
             return (), 0
-        if loader[0] is _request_records():
+        if loader[0] is _records_loader:
             waits = _raw_waits(loader[1])
             if waits is not None:
                 return waits
@@ -273,7 +273,6 @@ def _wait_rows(w):
     dropped, events, events dropped) as the rows the Python renderer
     reads: ((fn, filename, line, stack, ns, count, greenlets), ...) in
     table order, and dropped.  (_render.c reads item 13 as it is.)"""
-    from ._collect import WAIT_SITE_ROW
     records, stats, dropped = w[0], w[1], w[2]
     rows = []
     for rec, (_key, ns, count, gl, _tag, _r) in zip(
@@ -332,7 +331,6 @@ _HEAD = """>>> Begin RequestProfile
 
 def _c_renderer():
     """_registry.render_rows (_render.c), or None when it is missing."""
-    from . import _lowlevel, _registry
     try:
         if _lowlevel.lib.gqp_render_init() == 0:
             return _registry.render_rows
@@ -344,16 +342,9 @@ def _c_renderer():
 _render_rows = _c_renderer()
 
 
-def _request_records():
-    # (imported on first use: _collect imports this package's records)
-    global _records_loader
-    if _records_loader is None:
-        from ._collect import request_records
-        _records_loader = request_records
-    return _records_loader
-
-
-_records_loader = None
+#: the loader of the deferred profiles greqprof builds (their rows are
+#: rendered as C read them)
+_records_loader = request_records
 
 
 def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
@@ -367,7 +358,7 @@ def render_text(p, spans=DEFAULT_SPANS, calls_limit=25,
     d = p.__dict__
     loader = d.get("_loader")
     if loader is not None and _render_rows is not None and \
-            loader[0] is (_records_loader or _request_records()):
+            loader[0] is _records_loader:
         # (C reads the rows as read_profile gave them, wait sites
         # included, and writes the wait sites too; the common report has
         # no section after them: C writes the end line too, saving a copy

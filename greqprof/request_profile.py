@@ -8,10 +8,12 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
+from . import report as _report
 from ._text import clean, clean_lines
-from .stats import ChildStat, FuncStat, GreenletStat, Span
+from .stats import (ChildStat, FuncStat, GreenletStat, Span, WaitedOn,
+                    WaitEvent, Waiting, WaitSite)
 
 SCHEMA = "greqprof.request_profile/1"
 
@@ -165,61 +167,6 @@ def _fit(d, max_bytes, kw):
         d["waiting"] = dict(d["waiting"], top=[])
         out = text()
     return out
-
-
-@dataclass(frozen=True)
-class WaitedOn:
-    """A greenlet that ran while the request waited (seconds)."""
-    greenlet_id: int
-    name: str
-    fn_name: str
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """Time the request was open while none of its greenlets ran.
-
-    ``complete`` is False when the tracer's span history did not reach back
-    to the request's start (``seconds`` is then a lower bound for the top
-    list; the total is always exact)."""
-    seconds: float
-    top: Tuple[WaitedOn, ...] = ()
-    complete: bool = True
-
-
-@dataclass(frozen=True)
-class WaitSite:
-    """Code where the request's greenlets waited.
-
-    Each time one of them switched out here (the innermost frame outside
-    gevent and greenlet), the time until it ran again (seconds, summed over
-    the greenlets); ``count`` such waits, by ``greenlets`` distinct
-    greenlets.  ``stack`` is ``"file:line in function"`` strings, outermost
-    first, ending at the site."""
-    fn_name: str
-    filename: str
-    lineno: int
-    stack: Tuple[str, ...]
-    seconds: float
-    count: int
-    greenlets: int
-
-    def to_dict(self):
-        d = asdict(self)
-        d["stack"] = list(self.stack)
-        return d
-
-
-@dataclass(frozen=True)
-class WaitEvent:
-    """One wait of a greenlet: switched out at ``start``, ran again at
-    ``end`` (seconds since the epoch); ``site`` is the index of its
-    WaitSite in ``RequestProfile.waits``."""
-    greenlet_id: int
-    start: float
-    end: float
-    site: int
 
 
 @dataclass(frozen=True)
@@ -485,20 +432,8 @@ class RequestProfile:
 
     def report(self, **kw):
         """The text report (``>>> Begin RequestProfile`` ...)."""
-        # (report imports this module: bound on first use; an import
-        # statement here would cost ~2k instructions per report.  The
-        # module, not the function: render_text stays replaceable)
-        return (_report or _bind_report()).render_text(self, **kw)
-
-
-_report = None
-
-
-def _bind_report():
-    global _report
-    from . import report
-    _report = report
-    return report
+        # (the module, not the function: render_text stays replaceable)
+        return _report.render_text(self, **kw)
 
 
 class _Reader:

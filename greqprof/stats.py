@@ -94,3 +94,58 @@ class GreenletStat:
 
     def to_dict(self):
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class WaitedOn:
+    """A greenlet that ran while the request waited (seconds)."""
+    greenlet_id: int
+    name: str
+    fn_name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Time the request was open while none of its greenlets ran.
+
+    ``complete`` is False when the tracer's span history did not reach back
+    to the request's start (``seconds`` is then a lower bound for the top
+    list; the total is always exact)."""
+    seconds: float
+    top: Tuple[WaitedOn, ...] = ()
+    complete: bool = True
+
+
+@dataclass(frozen=True)
+class WaitSite:
+    """Code where the request's greenlets waited.
+
+    Each time one of them switched out here (the innermost frame outside
+    gevent and greenlet), the time until it ran again (seconds, summed over
+    the greenlets); ``count`` such waits, by ``greenlets`` distinct
+    greenlets.  ``stack`` is ``"file:line in function"`` strings, outermost
+    first, ending at the site."""
+    fn_name: str
+    filename: str
+    lineno: int
+    stack: Tuple[str, ...]
+    seconds: float
+    count: int
+    greenlets: int
+
+    def to_dict(self):
+        d = asdict(self)
+        d["stack"] = list(self.stack)
+        return d
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    """One wait of a greenlet: switched out at ``start``, ran again at
+    ``end`` (seconds since the epoch); ``site`` is the index of its
+    WaitSite in ``RequestProfile.waits``."""
+    greenlet_id: int
+    start: float
+    end: float
+    site: int

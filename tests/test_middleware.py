@@ -28,7 +28,7 @@ from gevent import pywsgi
 
 import greqprof
 from greqprof import ConfigError, ProfilingMiddleware, RequestProfile
-from greqprof import _registry, engine
+from greqprof import _registry, engine, loops
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -216,9 +216,7 @@ def _kill_drain_loops():
     for o in gc.get_objects():
         try:
             if isinstance(o, gevent.Greenlet) and not o.dead:
-                run = getattr(o, "_run", None)
-                if getattr(run, "__func__", None) is \
-                        ProfilingMiddleware._drain_loop:
+                if getattr(o, "_run", None) is loops.drain_loop:
                     o.kill(block=False)
         except ReferenceError:
             pass

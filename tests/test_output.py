@@ -17,7 +17,7 @@ import pytest
 
 from conftest import CHILD_CWD, child_env
 from greqprof import BlockingEvent, ProfilingMiddleware
-from greqprof.middleware import _BlockingSites, blocking_site
+from greqprof.blocking import BlockingSites, blocking_site
 
 from test_middleware import (LOGGER, make_function, messages, serve,  # noqa
                              wait_for)
@@ -203,14 +203,14 @@ def test_site_is_the_innermost_app_frame():
 
 
 def test_site_table_is_bounded():
-    sites = _BlockingSites(10.0)
-    for i in range(5 * _BlockingSites.MAX):
+    sites = BlockingSites(10.0)
+    for i in range(5 * BlockingSites.MAX):
         ev = _event(fn="app.f%d" % i)
         assert sites.admit(ev, 1.0)
         assert not sites.admit(ev, 1.5)
-    assert len(sites.sites) <= _BlockingSites.MAX
+    assert len(sites.sites) <= BlockingSites.MAX
     summed = sites.expired(2.0)
-    assert len(summed) >= 4 * _BlockingSites.MAX - _BlockingSites.MAX // 4
+    assert len(summed) >= 4 * BlockingSites.MAX - BlockingSites.MAX // 4
     assert all(n == 1 for _site, n, _l, _i in summed)
 
 
@@ -368,7 +368,7 @@ def test_waited_at_section_lists_the_top_sites():
 def test_an_event_whose_warning_failed_is_let_through_again():
     """A handler that raised (GreenletExit: the drain requeues the event)
     must not leave the site marked as logged."""
-    sites = _BlockingSites(10.0)
+    sites = BlockingSites(10.0)
     ev = _event(fn="app.f")
     first = sites.admit(ev, 1.0)
     assert first
@@ -392,10 +392,10 @@ def test_the_default_handler_is_not_added_when_logging_is_configured(
     s.get("/x")
     s.profile_for("/x")
     wait_for(lambda: messages(caplog, logging.INFO), 10, "the report")
-    from greqprof.middleware import _DefaultHandler
+    from greqprof.logs import DefaultHandler
     c = logging.getLogger(LOGGER)
     while c is not None:
-        assert not any(isinstance(h, _DefaultHandler) for h in c.handlers)
+        assert not any(isinstance(h, DefaultHandler) for h in c.handlers)
         c = c.parent
 
 

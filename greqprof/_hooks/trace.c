@@ -1,0 +1,135 @@
+/* _hooks/trace.c -- the greenlet switch hook and what it does for a new
+ * greenlet.
+ * A part of _hooks.c (one translation unit, see there). */
+#include "hooks.h"
+
+/* 1 when g is a gevent Hub (only once gevent.hub has been imported).  The
+ * type is looked up once: until the hub is seen, every new greenlet asks. */
+static PyTypeObject *hub_type;
+
+static int is_hub(PyObject *g)
+{
+    if (!hub_type) {
+        PyObject *mod = PyImport_GetModule(hub_module_name);
+        if (!mod) {
+            PyErr_Clear();
+            return 0;
+        }
+        PyObject *t = PyObject_GetAttrString(mod, "Hub");
+        Py_DECREF(mod);
+        if (!t || !PyType_Check(t)) {
+            Py_XDECREF(t);
+            PyErr_Clear();
+            return 0;
+        }
+        hub_type = (PyTypeObject *)t; /* kept for the process's life */
+    }
+    return PyObject_TypeCheck(g, hub_type);
+}
+
+static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
+{
+    uint64_t key = (uint64_t)(uintptr_t)target;
+    if (st->inherit) {
+        /* gevent records who spawned a Greenlet (a weak reference). */
+        PyObject *ref = PyObject_GetAttr(target, spawning_str);
+        PyErr_Clear();
+        PyObject *parent = NULL;
+        if (ref && PyWeakref_Check(ref) &&
+            PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
+            uint64_t pkey = (uint64_t)(uintptr_t)parent;
+            gqp_tracer_inherit(st->tracer, key, pkey);
+        }
+        Py_XDECREF(parent);
+        Py_XDECREF(ref);
+        PyErr_Clear();
+        run_remember(st, target, key);
+        if (!st->hub_key && is_hub(target) && st_live(st)) {
+            st->hub_key = key;
+            /* (told once, from this thread: the watchdog reads ids, never
+             * this thread's state) */
+            uint64_t hid = 0;
+            gqp_tracer_greenlet_id(st->tracer, key, &hid);
+            PyObject *k = PyLong_FromUnsignedLong(st->thread_id);
+            PyObject *v = hid ? PyLong_FromUnsignedLongLong(hid) : NULL;
+            if (k && v) {
+                PyDict_SetItem(reg_hub_ids, k, v);
+            }
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+            PyErr_Clear();
+        }
+    }
+    uint64_t id = 0;
+    gqp_profile *p = NULL;
+    if (st_live(st) &&
+        gqp_tracer_current(st->tracer, NULL, &id, &p) == GQP_OK) {
+        /* Names cost a few attribute lookups: only for greenlets whose
+         * spans are recorded (and the hub); others get named if they ever
+         * hold the loop too long (on_long_span). */
+        if (p || !st->inherit || st->hub_key == key) {
+            name_in_profile(st, target, id, p);
+        }
+    }
+}
+
+/* ---- the greenlet hook ----------------------------------------------- */
+
+static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
+                            Py_ssize_t nargs)
+{
+    gqp_py_thread *st = ((gqp_hookref *)self)->st;
+    PyObject *pair;
+    if (nargs != 2 || !PyTuple_Check(pair = args[1]) ||
+        PyTuple_GET_SIZE(pair) != 2) {
+        Py_RETURN_NONE;
+    }
+    if (!st) {
+        Py_RETURN_NONE;
+    }
+    st_enter(st);
+    if (st->active) {
+        PyObject *origin = PyTuple_GET_ITEM(pair, 0);
+        PyObject *target = PyTuple_GET_ITEM(pair, 1);
+        int dead = is_dead(origin);
+        uint64_t dead_id = 0;
+        if (dead) {
+            gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)origin,
+                                   &dead_id);
+        }
+        int ev = gqp_tracer_switch(st->tracer, (uint64_t)(uintptr_t)origin,
+                                   (uint64_t)(uintptr_t)target,
+                                   dead ? GQP_SWITCH_FROM_DEAD : 0);
+        if (dead_id) {
+            forget_later(dead_id);
+        }
+        if (ev > 0) {
+            if (ev & GQP_EV_LONG_SPAN) {
+                on_long_span(st, origin, dead);
+            }
+            if ((ev & GQP_EV_WAIT) && st_live(st)) {
+                on_wait(st, origin);
+            }
+            if ((ev & GQP_EV_NEW_GREENLET) && st_live(st)) {
+                on_new_greenlet(st, target);
+            }
+        }
+        if (dead_id) {
+            /* (after on_long_span: the dying greenlet's last span still
+             * takes its note) */
+            note_forget(st, dead_id);
+            run_forget(st, (uint64_t)(uintptr_t)origin);
+        }
+    }
+    PyObject *res = st->prev_trace
+        ? PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL)
+        : Py_NewRef(Py_None);
+    st_leave(st);
+    return res;
+}
+
+/* METH_FASTCALL: no argument tuple is built for the call itself. */
+static PyMethodDef gqp__trace_def = {"greqprof_switch_hook",
+                                     (PyCFunction)(void (*)(void))gqp__trace,
+                                     METH_FASTCALL,
+                                     "greqprof's greenlet switch hook."};

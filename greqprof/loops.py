@@ -1,0 +1,262 @@
+"""The greenlets and hooks that finish profiles outside requests: the
+finisher (queued profiles, once their requests' greenlets are done), the
+reaper (profiles open past max_lifetime), the drain loop (blocking spans
+outside requests) and the flush of a thread's waiting profiles (on demand
+and at interpreter exit)."""
+import atexit
+import weakref
+from time import monotonic as _monotonic
+
+from greenlet import getcurrent
+
+from . import _lowlevel, _registry, blocking
+from . import engine as _engine
+
+#: every ProfilingMiddleware alive (the exit flush and fork look at them)
+live_middlewares = weakref.WeakSet()
+
+
+def wake_finisher_soon(eng):
+    """The finisher of eng (its thread's) wakes at the next loop
+    callbacks."""
+    eng.finisher_woken = True
+    import gevent
+    gevent.get_hub().loop.run_callback(_wake_finisher, eng)
+
+
+def wake_finisher_from_thread(eng):
+    """A request of eng's thread was finished from this (another)
+    thread: eng's finisher is woken in its own thread."""
+    hub = eng.hub
+    if hub is not None and not eng.abandoned:
+        hub.loop.run_callback_threadsafe(wake_finisher_soon, eng)
+
+
+def _wake_finisher(eng):
+    # Runs in the hub: the finisher is spawned from here so it belongs
+    # to no request.
+    import gevent
+    fin = eng.finisher
+    if not eng.reaper_started and not eng.abandoned:
+        # (the reaper was killed: started again)
+        eng.reaper_started = True
+        gevent.spawn(_reaper_main, eng)
+    if fin is None or fin.dead:
+        eng.finisher = gevent.spawn(_finisher_loop, eng)
+    elif eng.finisher_wake is not None:  # (else: not started yet)
+        eng.finisher_wake.set()
+
+
+def drain_loop(mw, eng):
+    """Reports blocking spans of greenlets outside requests, once a
+    second (requests drain at their end)."""
+    import gevent
+    while not eng.abandoned:
+        gevent.sleep(1.0)
+        try:
+            blocking.drain(mw, eng)
+            for m in list(eng.middlewares) or [mw]:
+                blocking.log_summaries(m)
+        except Exception as e:
+            mw._internal_error("drain", e)
+
+
+def start_reaper(mw, eng):
+    eng.reaper_started = True
+    try:
+        import gevent
+        # Spawned from the hub so it belongs to no request.
+        gevent.get_hub().loop.run_callback(gevent.spawn, _reaper_main,
+                                           eng)
+    except Exception as e:
+        mw._internal_error("reaper", e)
+
+
+def truncate(mw, eng, req, now):
+    """req's profile has been open longer than max_lifetime: closed
+    and delivered now, marked truncated; the request goes on
+    unprofiled (its end finds it done)."""
+    req.truncated = True
+    req.done = True
+    req.end_ns = now
+    g = req.greenlet
+    try:
+        # (detached only from this request's profile: by now g may
+        # serve another request, in that one's profile)
+        if not g.dead and _registry.greenlet_profile(
+                eng.tracer.addr, g) == req.addr:
+            eng.tracer.attach_id(g, 0)
+        if eng.lingering.get(id(g)) is req:
+            del eng.lingering[id(g)]
+    finally:
+        mw._finalize(eng, req)
+
+
+def start_drain_loop(mw, eng):
+    eng.drain_started = True
+    try:
+        import gevent
+        # Spawned from the hub so it belongs to no request.
+        gevent.get_hub().loop.run_callback(
+            gevent.spawn, drain_loop, mw, eng)
+    except Exception as e:
+        mw._internal_error("drain", e)
+
+
+#: seconds the finisher stays up after a batch, collecting more: profiles
+#: then finish in batches, with one wake-up each instead of one per sampled
+#: request (a wake-up is a loop callback, an Event and two switches)
+FINISH_BATCH_S = 0.01
+
+
+def _finisher_loop(eng):
+    """Finishes queued profiles whose requests' greenlets are all done (or
+    whose linger ran out); sleeps while nothing waits."""
+    try:
+        _finish_pending_forever(eng)
+    finally:
+        # Killed, or failed: the next request queued wakes a new one.
+        eng.finisher_woken = False
+
+
+def _finish_pending_forever(eng):
+    import gevent
+    from gevent.event import Event
+    eng.finisher_wake = Event()
+    while not eng.abandoned:
+        # Up and about to look at `pending`: nobody needs to wake it.
+        eng.finisher_woken = True
+        # (in C: finalizes the queued requests that are done)
+        waiting = _registry.finish_pending(eng, eng.pending,
+                                           _lowlevel.wall_ns())
+        if waiting == 2:
+            # Requests seen queued for the first time: the start callbacks
+            # of children they spawned run before this greenlet's next
+            # turn, then they are looked at again (once per round: more
+            # first looks wait for the next round).
+            gevent.sleep(0)
+            waiting = _registry.finish_pending(eng, eng.pending,
+                                               _lowlevel.wall_ns())
+        if waiting == 1:
+            gevent.sleep(0.005)
+            continue
+        gevent.sleep(FINISH_BATCH_S)
+        if eng.pending:
+            continue
+        eng.finisher_woken = False
+        eng.finisher_wake.clear()
+        eng.finisher_wake.wait()
+
+
+def _reaper_main(eng):
+    """The reaper greenlet: _reaper_loop, gone on with after a
+    BaseException that is not an Exception, nor an exit (a sink's
+    gevent.Timeout: the request it came from is released by then).
+    Killed (GreenletExit), it is started again by the next request set up
+    in Python or the finisher's next wake."""
+    import gevent
+    try:
+        while not eng.abandoned:
+            try:
+                _reaper_loop(eng)
+            except (gevent.GreenletExit, SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException:
+                pass
+    finally:
+        eng.reaper_started = False
+
+
+def _reaper_loop(eng):
+    """Closes, in the engine's thread, the profiles open longer than
+    their middleware's max_lifetime (checked a few times per lifetime, at
+    least once a second).  Each request is truncated on its own: an error
+    is logged and the next goes on; a BaseException that is not an
+    Exception goes on once that request is released (the rest wait for
+    the next round)."""
+    import gevent
+    while not eng.abandoned:
+        lifetimes = [mw._max_lifetime for mw in list(eng.middlewares)]
+        gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]))
+        if eng.abandoned or not eng.profile_requests:
+            continue
+        if eng.pending and not eng.finisher_woken:
+            # (a request finished from another thread was queued here
+            # without waking this thread's finisher)
+            for mw in list(eng.middlewares)[:1]:
+                wake_finisher_soon(eng)
+        now = _lowlevel.wall_ns()
+        for req in list(eng.profile_requests.values()):
+            mw = req.owner
+            if mw is None or req.done or req.greenlet is None or \
+                    req.finalizing or \
+                    now - req.start_ns < mw._max_lifetime_ns:
+                continue
+            try:
+                truncate(mw, eng, req, now)
+            except Exception as e:
+                mw._internal_error("max_lifetime", e)
+            # (any other BaseException: truncate's _finalize released the
+            # request; _reaper_main starts the reaper again)
+
+
+def flush_thread(timeout=None):
+    """ProfilingMiddleware.flush() for the calling thread's engine."""
+    eng = _engine.current_engine()
+    if eng is None:
+        return 0
+    deadline = None if timeout is None else _monotonic() + timeout
+    n = 0
+    # pending, not lingering: a request whose greenlet went on to its
+    # next request left lingering but still waits for its children.
+    # Each by its own middleware (several may share the thread).
+    for mw, req in list(eng.pending):
+        left = None if deadline is None else deadline - _monotonic()
+        if left is not None and left <= 0:
+            break
+        if req.profile is not None and req.greenlet is not None and \
+                not req.finalizing:
+            if not _finalize_within(mw, eng, req, left):
+                break   # (out of time in a delivery: the rest is given up)
+            n += 1
+    return n
+
+
+def _finalize_within(mw, eng, req, seconds):
+    """mw._finalize(eng, req), its delivery interrupted by a gevent.Timeout
+    after seconds (None: no limit).  False when it was: the request is
+    released undelivered.  (A sink that blocks the thread without yielding
+    to gevent cannot be interrupted.)"""
+    import gevent
+    if seconds is None or getcurrent() is gevent.get_hub():
+        mw._finalize(eng, req)   # (the hub cannot wait for a Timeout)
+        return True
+    timer = gevent.Timeout(seconds)
+    timer.start()
+    try:
+        mw._finalize(eng, req)
+    except gevent.Timeout as e:
+        if e is not timer:
+            raise
+        return False
+    finally:
+        timer.close()
+    return True
+
+
+#: seconds the flush at interpreter exit may take at most
+EXIT_FLUSH_S = 5.0
+
+
+def _flush_at_exit():
+    """atexit: the profiles still lingering or queued in the exiting
+    thread are delivered (bounded by EXIT_FLUSH_S)."""
+    if not live_middlewares:
+        return
+    try:
+        flush_thread(EXIT_FLUSH_S)
+    except BaseException:   # (never fail the interpreter's exit)
+        pass
+
+
+atexit.register(_flush_at_exit)
