@@ -267,12 +267,17 @@ static int gqp_py_calls(gqp_py_thread *st, int on)
     int rc = GQP_OK;
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
-    } else if (on && !st->profile_installed) {
-        PyEval_SetProfile(gqp__profile, st->ref);
-        st->profile_installed = 1;
-    } else if (!on && st->profile_installed) {
-        PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
-        st->profile_installed = 0;
+    } else if (on) {
+        /* (put in now if the running greenlet is in a profile, then by
+         * the switch hook) */
+        st->calls_on = 1;
+        calls_follow(st);
+    } else {
+        st->calls_on = 0;
+        if (st->profile_installed) {
+            PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
+            st->profile_installed = 0;
+        }
     }
     PyGILState_Release(gs);
     return rc;
