@@ -695,7 +695,7 @@ def table_rows(results, configs, quick):
             sampled += " (errors %d, blocking %d)" % (mw["errors"],
                                                      mw["blocking"])
         if cfg.key in TARGETS:
-            tgt = "≥ %.2f" % TARGETS[cfg.key]
+            tgt = "≥ %g" % TARGETS[cfg.key]
             if quick:
                 tgt += " (not judged: --quick)"
             else:
@@ -1064,7 +1064,7 @@ def main():
                      "targets are not judged")
     elif missed:
         notes.append("target not met: " + ", ".join(
-            "%s (%s: %.3f, target ≥ %.2f)" % (
+            "%s (%s: %.3f, target ≥ %g)" % (
                 k, results[k]["verdict"], results[k]["ratio"],
                 results[k]["target"]) for k in missed))
 
