@@ -89,6 +89,7 @@ struct gqp_tracer {
     int cpu_mode;
     int call_clock;
     int64_t window;
+    int64_t others_window;  /* 0: window (GQP_TRACER_CPU_WINDOW_OTHERS_NS) */
     int64_t long_ns;
     uint32_t max_depth;
     size_t max_greenlets;
@@ -270,6 +271,11 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         t->long_ns = value;
         return GQP_OK;
     }
+    if (param == GQP_TRACER_CPU_WINDOW_OTHERS_NS) {
+        if (value < 0) return GQP_ERANGE;
+        t->others_window = value;
+        return GQP_OK;
+    }
     if (param == GQP_TRACER_CPU_WINDOW_NS) {
         /* Only compared with the age of the last reading: may change at any
          * time; a smaller window takes effect at the next event. */
@@ -297,6 +303,7 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         return GQP_OK;
     case GQP_TRACER_LONG_SPAN_NS:  /* handled above */
     case GQP_TRACER_CPU_WINDOW_NS:
+    case GQP_TRACER_CPU_WINDOW_OTHERS_NS:
         return GQP_EINVAL;
     case GQP_TRACER_MAX_DEPTH:
         if (value < 1 || value > (1 << 24)) return GQP_ERANGE;
@@ -339,6 +346,7 @@ GQP_API int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
     case GQP_TRACER_MAX_DEPTH: *value = t->max_depth; return GQP_OK;
     case GQP_TRACER_MAX_GREENLETS: *value = (int64_t)t->max_greenlets; return GQP_OK;
     case GQP_TRACER_HISTORY: *value = (int64_t)t->hist_cap; return GQP_OK;
+    case GQP_TRACER_CPU_WINDOW_OTHERS_NS: *value = t->others_window; return GQP_OK;
     }
     return GQP_EINVAL;
 }
@@ -403,7 +411,16 @@ GQP_API int gqp_tracer_set_session(gqp_tracer *t, gqp_profile *p)
  * real clock it advances with wall time; each reading puts it back on the
  * real clock (it may step back), so its error never exceeds the off-CPU time
  * within one window. */
+static inline int64_t cpu_at_within(gqp_tracer *t, int64_t now, bool force,
+                                    int64_t window);
+
 static inline int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
+{
+    return cpu_at_within(t, now, force, t->window);
+}
+
+static inline int64_t cpu_at_within(gqp_tracer *t, int64_t now, bool force,
+                                    int64_t window)
 {
     if (!t->est_init) {
         int64_t c = t->cpu_fn(t->clock_ctx);
@@ -418,7 +435,7 @@ static inline int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
         t->L += gap;
         t->last_wall = now;
     }
-    if (force || now - t->sync_wall >= t->window) {
+    if (force || now - t->sync_wall >= window) {
         t->L = t->cpu_fn(t->clock_ctx);
         t->sync_wall = now;
     }
@@ -793,6 +810,14 @@ static inline int64_t span_clock(gqp_tracer *t, int64_t now)
     return cpu_at(t, now, t->cpu_mode == GQP_CPU_EXACT);
 }
 
+/* The wider window of greenlets in no profile, or 0 when every span gets
+ * the narrow one. */
+static inline int64_t others_window(const gqp_tracer *t)
+{
+    return t->cpu_mode == GQP_CPU_ESTIMATE && t->others_window > t->window
+           && !t->deflt && !t->session ? t->others_window : 0;
+}
+
 /* Pops every frame of g into its profile at greenlet clock `gnow`. */
 static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
                    int64_t gnow);
@@ -810,12 +835,17 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
     }
     int ev = 0;
     int64_t now = wall_now(t);
-    int64_t L = span_clock(t, now);
     gqp__greenlet *g = t->cur;
     if (from != 0 && (!g || g->key != from)) {
         /* We missed a switch (or tracing started elsewhere): trust `from`. */
         g = lookup(t, from);
     }
+    /* (a span of a greenlet in no profile may take the wider window, at
+     * both ends: see GQP_TRACER_CPU_WINDOW_OTHERS_NS) */
+    int64_t wide = others_window(t);
+    bool narrow = !wide || (g && g == t->cur && g->profile);
+    int64_t L = narrow ? span_clock(t, now)
+                       : cpu_at_within(t, now, false, wide);
     if (g && g == t->cur) {
         bool dead = flags & GQP_SWITCH_FROM_DEAD;
         ev |= close_span(t, g, now, L, dead ? GQP_SPAN_FINISHED : 0);
@@ -848,6 +878,9 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
         ev |= GQP_EV_NEW_GREENLET;
     } else if (n->wait_pending) {
         end_wait(n, now);
+    }
+    if (!narrow && (n->profile || (ev & GQP_EV_NEW_GREENLET))) {
+        L = span_clock(t, now); /* (its span starts with the narrow one) */
     }
     start_span(t, n, now, L);
     if (from == 0) {

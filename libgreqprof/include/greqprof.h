@@ -343,8 +343,16 @@ typedef enum gqp_tracer_param {
     GQP_TRACER_LONG_SPAN_NS = 4,
     GQP_TRACER_MAX_DEPTH = 5,     /* frames kept per greenlet (default 1024) */
     GQP_TRACER_MAX_GREENLETS = 6, /* live greenlets tracked (default 1<<20)  */
-    GQP_TRACER_HISTORY = 7        /* recent spans of all greenlets kept for
+    GQP_TRACER_HISTORY = 7,       /* recent spans of all greenlets kept for
                                      gqp_tracer_waited (default 4096)       */
+    /* The CPU window (as GQP_TRACER_CPU_WINDOW_NS) for the spans of
+     * greenlets attached to no profile while no default or session profile
+     * is set (default 0: the same window).  A wider one spares them the
+     * clock's system calls while a narrow window serves a profile's
+     * greenlets: the span of a greenlet in a profile, or of one seen for
+     * the first time, starts and ends with the narrow window.  May change
+     * at any time. */
+    GQP_TRACER_CPU_WINDOW_OTHERS_NS = 8
 } gqp_tracer_param;
 
 #define GQP_CPU_OFF 0
