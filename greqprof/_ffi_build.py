@@ -46,7 +46,8 @@ typedef enum { GQP_PROFILE_MAX_SPANS, GQP_PROFILE_SPAN_POLICY,
     GQP_PROFILE_MAX_NAME, GQP_PROFILE_CALL_CLOCK, ... } gqp_profile_param;
 typedef enum { GQP_TRACER_CPU_MODE, GQP_TRACER_CPU_WINDOW_NS,
     GQP_TRACER_CALL_CLOCK, GQP_TRACER_LONG_SPAN_NS, GQP_TRACER_MAX_DEPTH,
-    GQP_TRACER_MAX_GREENLETS, GQP_TRACER_HISTORY, ... } gqp_tracer_param;
+    GQP_TRACER_MAX_GREENLETS, GQP_TRACER_HISTORY,
+    GQP_TRACER_CPU_WINDOW_OTHERS_NS, ... } gqp_tracer_param;
 
 typedef struct gqp_profile gqp_profile;
 typedef struct gqp_tracer gqp_tracer;

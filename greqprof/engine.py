@@ -75,6 +75,10 @@ class Engine:
         self.tracer = RawTracer(
             cpu_mode=config.cpu_mode, call_clock=config.clock,
             long_span_ns=config.blocking_ns, cpu_window_ns=CPU_WINDOW_IDLE)
+        # Greenlets in no sampled request keep the idle window while one
+        # is open: its neighbours' switches make no clock system calls.
+        self.tracer.set(_lowlevel.lib.GQP_TRACER_CPU_WINDOW_OTHERS_NS,
+                        CPU_WINDOW_IDLE, "cpu window of others")
         self.tracer.set_default(None)
         # The call hook is only on while a sampled request wants calls
         # (acquire_calls/release_calls): unsampled requests pay nothing
