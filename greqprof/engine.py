@@ -205,19 +205,21 @@ def _watch_thread_end(eng):
 
 
 class _EndOfThread:
-    """thread_ended(engine), called as the engine's thread ends."""
+    """thread_ended(engine), called as the engine's thread ends.  It holds
+    the engine until then (nothing else does for sure: the thread-local
+    that names it may be cleared first, and greqprof's background
+    greenlets hold it weakly, loops.py), and lets go of it after."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("eng",)
 
     def __init__(self, eng):
-        self.ref = weakref.ref(eng)
+        self.eng = eng
 
     def live(self):
-        eng = self.ref()
-        return eng is not None and not eng.abandoned
+        return self.eng is not None and not self.eng.abandoned
 
     def __call__(self):
-        eng = self.ref()
+        eng, self.eng = self.eng, None
         if eng is not None:
             thread_ended(eng)
 
@@ -266,6 +268,13 @@ def thread_ended(eng):
         for mw in list(eng.middlewares):
             if mw._engine is eng:
                 mw._engine = None
+            try:
+                # (armed for this thread, it would hold the engine: no
+                # lingering left, so the check does not switch)
+                if mw._is_armed():
+                    mw._disarm()
+            except Exception:
+                pass
         with _engines_lock:
             if _engines.get(eng.thread_ident) is eng:
                 del _engines[eng.thread_ident]
