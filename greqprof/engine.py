@@ -235,6 +235,7 @@ def thread_ended(eng):
         return   # (a forked child drops the parent's threads: not ours)
     from .loops import truncate   # (loops imports this module)
     now = _lowlevel.wall_ns()
+    hub_before = _hub_now()
     try:
         # The finisher's pass (C), as if every linger were over: it also
         # tells observers of requests finished from other threads.
@@ -283,6 +284,29 @@ def thread_ended(eng):
             eng.stop()
         except Exception:
             pass
+        _drop_hub_made_since(hub_before, eng)
+
+
+def _hub_now():
+    try:
+        from gevent._hub_local import get_hub_if_exists
+        return get_hub_if_exists()
+    except Exception:
+        return None
+
+
+def _drop_hub_made_since(before, eng):
+    """A sink or observer that switched as the thread ended made gevent a
+    new hub here (the thread's own was gone or destroyed by then): it is
+    destroyed with its loop, or its file descriptors stayed open for
+    good."""
+    hub = _hub_now()
+    if hub is None or hub is before or hub is eng.hub:
+        return
+    try:
+        hub.destroy(destroy_loop=True)
+    except Exception:
+        pass
 
 
 #: a finish_pending time past every request's linger
