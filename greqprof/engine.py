@@ -237,6 +237,13 @@ def thread_ended(eng):
     now = _lowlevel.wall_ns()
     hub_before = _hub_now()
     try:
+        # What waits from now on (a sink that switches) waits in a hub
+        # gevent makes anew, which the hooks do not know for the hub: no
+        # blocking spans are taken from a thread that serves no more.
+        eng.tracer.set(_lowlevel.lib.GQP_TRACER_LONG_SPAN_NS, 0, "long span")
+    except Exception:
+        pass
+    try:
         # The finisher's pass (C), as if every linger were over: it also
         # tells observers of requests finished from other threads.
         for _ in range(3):   # (a BaseException stops a pass)
