@@ -9,6 +9,7 @@ left out.  Samples are counted per (route, stack) in this process-wide
 table, bounded: at most MAX_STACKS distinct stacks and MAX_KEYS
 (route, stack) pairs; the rest are counted under ``<other>``.
 ``write_pprof`` writes them as a gzipped pprof profile (docs/fleet.md)."""
+import array
 import os
 import threading
 import time
@@ -21,6 +22,9 @@ from . import routes as _routes
 
 #: distinct stacks kept; samples of further stacks count as <other>
 MAX_STACKS = 10000
+#: distinct frames (code object, line) kept; a stack with another one
+#: counts as <other>
+MAX_FRAMES = 20000
 #: distinct (route, stack) pairs kept; further samples count as
 #: (<other>, <other>)
 MAX_KEYS = 20000
@@ -51,12 +55,16 @@ class _Table:
     def __init__(self):
         self.counts = {}          # (route, stack id) -> samples
         self.ids = {}             # stack hash -> stack id
-        self.stacks = [()]        # stack id -> ((code, line), ...); 0: other
+        # stack id -> its frame ids, 4 bytes each, leaf first; 0: <other>
+        self.stacks = [b""]
+        self.frames = []          # frame id -> (code, line)
+        self.frame_ids = {}       # (code address, line) -> frame id
         self.routes = {}          # path -> route (cache)
         self.start_ns = time.time_ns()
         _registry.sampler_setup(self.counts, self.ids, self.stacks,
-                                self.routes, route_of, NO_REQUEST, OTHER,
-                                MAX_STACKS, MAX_KEYS)
+                                self.frames, self.frame_ids, self.routes,
+                                route_of, NO_REQUEST, OTHER, MAX_STACKS,
+                                MAX_FRAMES, MAX_KEYS)
 
 
 _table = _Table()
@@ -135,20 +143,26 @@ def samples():
     t = _table
     counts = dict(t.counts)
     stacks = t.stacks[:]
-    names = {}
+    frames = t.frames[:]
+    named = {}
     out = []
     for (route, sid), n in counts.items():
-        frames = []
-        for code, line in (stacks[sid] if 0 <= sid < len(stacks) else ()):
-            name = names.get(code)
-            if name is None:
-                mod = _lowlevel.module_of(code.co_filename)
-                qual = getattr(code, "co_qualname", code.co_name)
-                name = names[code] = ("%s.%s" % (mod, qual) if mod
-                                      else qual, code.co_filename)
-            frames.append((name[0], name[1], line))
-        out.append((route, tuple(frames), n))
+        ids = array.array("I", stacks[sid] if 0 <= sid < len(stacks)
+                          else b"")
+        out.append((route, tuple(_frame(frames, i, named) for i in ids), n))
     return out
+
+
+def _frame(frames, fid, named):
+    """(function, file, line) of frame fid"""
+    f = named.get(fid)
+    if f is None:
+        code, line = frames[fid]
+        mod = _lowlevel.module_of(code.co_filename)
+        qual = getattr(code, "co_qualname", code.co_name)
+        f = named[fid] = ("%s.%s" % (mod, qual) if mod else qual,
+                          code.co_filename, line)
+    return f
 
 
 def write_pprof(path, period_ns):

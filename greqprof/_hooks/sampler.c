@@ -26,11 +26,13 @@ static uint64_t smp_gen;          /* bumped by stop/reset: a loop ends */
 /* Set by sampler_setup (greqprof/sampler.py's table): */
 static PyObject *smp_counts;      /* (route, stack id) -> samples */
 static PyObject *smp_ids;         /* stack hash -> stack id */
-static PyObject *smp_stacks;      /* list: stack id -> ((code, line), ...) */
+static PyObject *smp_stacks;      /* list: stack id -> frame ids (bytes) */
+static PyObject *smp_frames;      /* list: frame id -> (code, line) */
+static PyObject *smp_frame_ids;   /* (code address, line) -> frame id */
 static PyObject *smp_routes;      /* path -> route (a cache) */
 static PyObject *smp_route_fn;    /* path -> route, Python */
 static PyObject *smp_no_request, *smp_other, *smp_path_str;
-static Py_ssize_t smp_max_stacks, smp_max_keys;
+static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
     smp_truncated;
 
@@ -105,8 +107,67 @@ static PyObject *smp_route(gqp_py_thread *st, PyObject *by_addr,
     return route;
 }
 
+/* The id of frame (code, line), interned in smp_frames; -1 when the
+ * table of frames is full.  The entry holds the code object: its address
+ * stays its own while the entry exists. */
+static long smp_frame_id(PyObject *code, int line)
+{
+    unsigned char raw[16];
+    uint64_t a = (uint64_t)(uintptr_t)code, b = (uint64_t)(uint32_t)line;
+    memcpy(raw, &a, 8);
+    memcpy(raw + 8, &b, 8);
+    PyObject *key = _PyLong_FromByteArray(raw, 16, 1, 0);
+    if (!key) {
+        PyErr_Clear();
+        return -1;
+    }
+    long id = -1;
+    PyObject *v = PyDict_GetItemWithError(smp_frame_ids, key);
+    if (v) {
+        id = PyLong_AsLong(v);
+    } else if (!PyErr_Occurred() &&
+               PyList_GET_SIZE(smp_frames) < smp_max_frames) {
+        PyObject *fl = Py_BuildValue("(Oi)", code, line);
+        PyObject *idv = PyLong_FromSsize_t(PyList_GET_SIZE(smp_frames));
+        if (fl && idv && PyList_Append(smp_frames, fl) == 0 &&
+            PyDict_SetItem(smp_frame_ids, key, idv) == 0) {
+            id = PyLong_AsLong(idv);
+        }
+        Py_XDECREF(fl);
+        Py_XDECREF(idv);
+    }
+    PyErr_Clear();
+    Py_DECREF(key);
+    return id;
+}
+
+/* 1 when stack entry s (packed uint32 frame ids, leaf first) is the
+ * stack codes/lines. */
+static int smp_same_stack(PyObject *s, PyObject **codes, int *lines, int n)
+{
+    if (!PyBytes_Check(s) || PyBytes_GET_SIZE(s) != (Py_ssize_t)n * 4) {
+        return 0;
+    }
+    const char *ids = PyBytes_AS_STRING(s);
+    for (int i = 0; i < n; i++) {
+        uint32_t fid;
+        memcpy(&fid, ids + 4 * i, 4);
+        if (fid >= (uint32_t)PyList_GET_SIZE(smp_frames)) {
+            return 0;
+        }
+        PyObject *fl = PyList_GET_ITEM(smp_frames, fid);
+        if (PyTuple_GET_ITEM(fl, 0) != codes[i] ||
+            PyLong_AsLong(PyTuple_GET_ITEM(fl, 1)) != lines[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* The id of the stack of frames codes/lines (leaf first), 0 when the
- * table of stacks is full. */
+ * tables are full.  A stack is kept as its frames' ids (4 bytes each),
+ * found by a hash of its code objects and lines and checked frame by
+ * frame. */
 static long smp_stack_id(PyObject **codes, int *lines, int n)
 {
     uint64_t h = 1469598103934665603ULL;
@@ -123,40 +184,28 @@ static long smp_stack_id(PyObject **codes, int *lines, int n)
     PyObject *v = PyDict_GetItemWithError(smp_ids, key);
     if (v) {
         id = PyLong_AsLong(v);
-        /* (a 64-bit hash collision: counted as truncated) */
-        PyObject *s = id > 0 && id < PyList_GET_SIZE(smp_stacks)
-            ? PyList_GET_ITEM(smp_stacks, id) : NULL;
-        if (!s || PyTuple_GET_SIZE(s) != n) {
-            id = 0;
-        }
-        for (int i = 0; id && i < n; i++) {
-            PyObject *fl = PyTuple_GET_ITEM(s, i);
-            if (PyTuple_GET_ITEM(fl, 0) != codes[i] ||
-                PyLong_AsLong(PyTuple_GET_ITEM(fl, 1)) != lines[i]) {
-                id = 0;
-            }
+        if (id <= 0 || id >= PyList_GET_SIZE(smp_stacks) ||
+            !smp_same_stack(PyList_GET_ITEM(smp_stacks, id), codes, lines,
+                            n)) {
+            id = 0;   /* (a 64-bit hash collision: counted as <other>) */
         }
     } else if (!PyErr_Occurred() &&
                PyList_GET_SIZE(smp_stacks) <= smp_max_stacks) {
-        /* The stack holds its code objects: their addresses stay theirs
-         * while the stack is in the table. */
-        PyObject *s = PyTuple_New(n);
-        for (int i = 0; s && i < n; i++) {
-            PyObject *fl = Py_BuildValue("(Oi)", codes[i], lines[i]);
-            if (!fl) {
-                Py_CLEAR(s);
-                break;
-            }
-            PyTuple_SET_ITEM(s, i, fl);
+        uint32_t fids[GQP_SMP_DEPTH];
+        int ok = 1;
+        for (int i = 0; i < n && ok; i++) {
+            long f = smp_frame_id(codes[i], lines[i]);
+            ok = f >= 0;
+            fids[i] = (uint32_t)f;
         }
+        PyObject *s = ok ? PyBytes_FromStringAndSize((const char *)fids,
+                                                     (Py_ssize_t)n * 4)
+                         : NULL;
         PyObject *idv = s ? PyLong_FromSsize_t(PyList_GET_SIZE(smp_stacks))
                           : NULL;
-        if (idv && PyList_Append(smp_stacks, s) == 0) {
-            if (PyDict_SetItem(smp_ids, key, idv) == 0) {
-                id = PyLong_AsLong(idv);
-            } else {
-                /* (the stack stays unused in the list) */
-            }
+        if (idv && PyList_Append(smp_stacks, s) == 0 &&
+            PyDict_SetItem(smp_ids, key, idv) == 0) {
+            id = PyLong_AsLong(idv);
         }
         Py_XDECREF(idv);
         Py_XDECREF(s);
@@ -311,35 +360,38 @@ static PyObject *smp_watch_py(PyObject *self, PyObject *const *args,
     Py_RETURN_TRUE;
 }
 
-/* sampler_setup(counts, ids, stacks, routes, route_fn, no_request, other,
- *               max_stacks, max_keys) */
+/* sampler_setup(counts, ids, stacks, frames, frame_ids, routes, route_fn,
+ *               no_request, other, max_stacks, max_frames, max_keys) */
 static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
                               Py_ssize_t nargs)
 {
     (void)self;
-    if (want_args(nargs, 9, "sampler_setup") < 0) {
+    if (want_args(nargs, 12, "sampler_setup") < 0) {
         return NULL;
     }
-    Py_ssize_t ms = PyLong_AsSsize_t(args[7]);
-    Py_ssize_t mk = PyLong_AsSsize_t(args[8]);
+    Py_ssize_t ms = PyLong_AsSsize_t(args[9]);
+    Py_ssize_t mf = PyLong_AsSsize_t(args[10]);
+    Py_ssize_t mk = PyLong_AsSsize_t(args[11]);
     if (PyErr_Occurred()) {
         return NULL;
     }
     if (!PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) ||
-        !PyList_CheckExact(args[2]) || !PyDict_CheckExact(args[3]) ||
-        !PyCallable_Check(args[4]) || !PyUnicode_Check(args[5]) ||
-        !PyUnicode_Check(args[6]) || ms < 1 || mk < 1) {
+        !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
+        !PyDict_CheckExact(args[4]) || !PyDict_CheckExact(args[5]) ||
+        !PyCallable_Check(args[6]) || !PyUnicode_Check(args[7]) ||
+        !PyUnicode_Check(args[8]) || ms < 1 || mk < 1 || mf < 1 ||
+        mf > UINT32_MAX) {
         PyErr_SetString(PyExc_TypeError, "sampler_setup: bad arguments");
         return NULL;
     }
-    Py_XSETREF(smp_counts, Py_NewRef(args[0]));
-    Py_XSETREF(smp_ids, Py_NewRef(args[1]));
-    Py_XSETREF(smp_stacks, Py_NewRef(args[2]));
-    Py_XSETREF(smp_routes, Py_NewRef(args[3]));
-    Py_XSETREF(smp_route_fn, Py_NewRef(args[4]));
-    Py_XSETREF(smp_no_request, Py_NewRef(args[5]));
-    Py_XSETREF(smp_other, Py_NewRef(args[6]));
+    PyObject **slots[] = {&smp_counts, &smp_ids, &smp_stacks, &smp_frames,
+                          &smp_frame_ids, &smp_routes, &smp_route_fn,
+                          &smp_no_request, &smp_other};
+    for (int i = 0; i < 9; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
     smp_max_stacks = ms;
+    smp_max_frames = mf;
     smp_max_keys = mk;
     smp_ticks = smp_samples = smp_idle = smp_skipped = smp_truncated = 0;
     Py_RETURN_NONE;
