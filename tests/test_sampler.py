@@ -114,7 +114,8 @@ def server():
     servers, mws = [], []
 
     def start(**kw):
-        mw = ProfilingMiddleware(app, pct=0.0, report=False, **kw)
+        kw.setdefault("pct", 0.0)
+        mw = ProfilingMiddleware(app, report=False, **kw)
         mws.append(mw)
         s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
         s.start()
@@ -153,6 +154,19 @@ def test_samples_go_to_the_running_requests_route(server, fresh_sampler):
                        for x in names), names
     st = sampler.stats()
     assert st["idle"] > 0 and st["threads"] == 1 and st["truncated"] == 0
+
+
+def test_sampled_requests_go_to_their_route(server, fresh_sampler):
+    # Profiled requests carry no note: their greenlets (a child's too)
+    # are found through their profile.
+    mw, port = server(stack_hz=HZ, pct=1.0, linger=0)
+    load([port], ["/cpu/%d", "/child/%d"] * 4)
+    routes = by_route()
+    for route in ("/cpu/{id}", "/child/{id}"):
+        got = routes.get(route, {})
+        assert got.get("test_sampler.burn_cpu", 0) > sum(got.values()) / 2, \
+            routes
+    assert "test_sampler.burn_cpu" not in routes.get("<no request>", {})
 
 
 def test_write_pprof_is_read_by_go_pprof(server, fresh_sampler, tmp_path,
