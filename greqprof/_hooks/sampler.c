@@ -236,6 +236,45 @@ static void smp_count(PyObject *route, long id)
     PyErr_Clear();
 }
 
+/* Line numbers by (code, instruction): computing one scans the code's
+ * line table, which was most of a tick's cost.  Direct-mapped; an entry
+ * holds its code object, so its address is not reused meanwhile. */
+#define GQP_SMP_LINES 4096       /* a power of two */
+#if PY_VERSION_HEX < 0x030B0000
+#define PyFrame_GetLasti(f) ((f)->f_lasti)   /* (3.10: public field) */
+#endif
+static struct {
+    PyCodeObject *code;
+    int lasti, line, own;
+} smp_lines[GQP_SMP_LINES];
+
+/* f's line (f's code is co); *own: a frame of greqprof's own. */
+static int smp_line(PyFrameObject *f, PyCodeObject *co, int *own)
+{
+    int lasti = PyFrame_GetLasti(f);
+    size_t h = ((size_t)(uintptr_t)co >> 4 ^ (size_t)lasti * 2654435761u) &
+               (GQP_SMP_LINES - 1);
+    if (lasti >= 0 && smp_lines[h].code == co && smp_lines[h].lasti == lasti) {
+        *own = smp_lines[h].own;
+        return smp_lines[h].line;
+    }
+    PyObject *file = PyObject_GetAttr((PyObject *)co, co_filename_str);
+    *own = file && own_dir && PyUnicode_Check(file) &&
+        PyUnicode_Tailmatch(file, own_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
+    Py_XDECREF(file);
+    PyErr_Clear();
+    int line = PyFrame_GetLineNumber(f);
+    if (lasti >= 0) {
+        PyCodeObject *old = smp_lines[h].code;
+        smp_lines[h].code = (PyCodeObject *)Py_NewRef(co);
+        smp_lines[h].lasti = lasti;
+        smp_lines[h].line = line;
+        smp_lines[h].own = *own;
+        Py_XDECREF(old);
+    }
+    return line;
+}
+
 /* One sample of watched thread i (GIL held); 0, or -1 when the entry
  * was dropped (its thread or hooks are gone). */
 static int smp_sample(int i)
@@ -270,16 +309,13 @@ static int smp_sample(int i)
     int n = 0;
     while (f && n < GQP_SMP_DEPTH) {
         PyCodeObject *co = PyFrame_GetCode(f);
-        PyObject *file = PyObject_GetAttr((PyObject *)co, co_filename_str);
-        int own = file && own_dir && PyUnicode_Check(file) &&
-            PyUnicode_Tailmatch(file, own_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
-        Py_XDECREF(file);
-        PyErr_Clear();
+        int own = 0;
+        int line = smp_line(f, co, &own);
         if (own) {
             Py_DECREF(co);   /* (greqprof's own frames: not the app's) */
         } else {
             codes[n] = (PyObject *)co;
-            lines[n] = PyFrame_GetLineNumber(f);
+            lines[n] = line;
             n++;
         }
         PyFrameObject *back = PyFrame_GetBack(f);
