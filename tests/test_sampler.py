@@ -304,3 +304,69 @@ def test_stack_hz_from_the_environment():
     mw = ProfilingMiddleware(app, stack_hz=10,
                              environ={"GREQPROF_STACK_HZ": "50"})
     assert mw._stack_hz == 10.0
+
+
+FORK_SCRIPT = r'''
+import http.client, json, os, sys, threading, time
+import gevent
+from gevent import pywsgi
+from greqprof import ProfilingMiddleware, sampler
+
+def burn_cpu(n):
+    x = 0
+    for i in range(n):
+        x += i * i % 7
+    return x
+
+def app(environ, start_response):
+    burn_cpu(150000)
+    start_response("200 OK", [])
+    return [b"ok"]
+
+def serve_and_load(prefix):
+    s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+    s.start()
+    done = []
+    def client():
+        for i in range(6):
+            c = http.client.HTTPConnection("127.0.0.1", s.server_port)
+            c.request("GET", "%s/%d" % (prefix, i))
+            c.getresponse().read()
+            c.close()
+        done.append(1)
+    for _ in range(2):
+        threading.Thread(target=client, daemon=True).start()
+    while len(done) < 2:
+        gevent.sleep(0.01)
+    s.stop()
+
+def routes():
+    return sorted({r for r, f, n in sampler.samples()
+                   if any(x[0].endswith("burn_cpu") for x in f)})
+
+mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=200)
+serve_and_load("/parent")
+r, w = os.pipe()
+pid = gevent.fork()
+if pid == 0:
+    # The parent's samples and threads are not the child's; its own
+    # requests are sampled by a sampler thread of its own.
+    out = {"at_fork": routes(), "threads": sampler.stats()["threads"]}
+    serve_and_load("/child")
+    out["after"] = routes()
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+_, status = os.waitpid(pid, 0)
+child = json.loads(os.read(r, 65536).decode())
+print(json.dumps({"parent": routes(), "child": child, "status": status}))
+'''
+
+
+def test_fork_child_samples_its_own_requests():
+    from test_threads_fork import run_script
+    out = run_script(FORK_SCRIPT)
+    assert out["status"] == 0
+    assert out["parent"] == ["/parent/{id}"]
+    assert out["child"] == {"at_fork": [], "threads": 0,
+                            "after": ["/child/{id}"]}
