@@ -77,7 +77,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         greenlet is running while it holds the loop.
     :param stack_hz: samples per second of each serving thread's running
         Python stack, counted per request route (``write_pprof``); the
-        hub is left out.  0 or None: off.
+        hub is left out (default 100).  0 or None: off.
     :param max_lifetime: seconds a sampled request's profile may stay
         open (default 60): a longer request (a stream, a long poll) has its
         profile closed and delivered then, with ``truncated=True``, and

@@ -101,7 +101,7 @@ READ = {
     "GREQPROF_BLOCKING_INTERVAL": (
         lambda mw: mw._blocking_sites.interval, 10.0),
     "GREQPROF_JSON_MAX_BYTES": (lambda mw: mw.json_max_bytes, 65536),
-    "GREQPROF_STACK_HZ": (lambda mw: mw._stack_hz, 0),
+    "GREQPROF_STACK_HZ": (lambda mw: mw._stack_hz, 100.0),
 }
 
 SECRET = "s3cret-value-42"
