@@ -454,7 +454,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
         if self._stack_hz and eng not in sampler.watched:
-            sampler.watch(eng, self._stack_hz)
+            try:
+                sampler.watch(eng, self._stack_hz)
+            except Exception as e:   # (never the request's problem)
+                self._internal_error("stack sampler", e)
         self._arm(eng.tracer.hooks_addr, eng, _engine.fork_generation())
 
     def _notify(self, observer, event, *args):

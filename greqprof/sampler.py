@@ -79,9 +79,9 @@ def watch(eng, hz):
         if _state["pid"] != pid:   # (a fork's child starts afresh)
             _state.update(hz=0, pid=pid)
         if eng not in watched:
+            watched.add(eng)   # (tried once, even if it fails)
             _registry.sampler_watch(eng.tracer.hooks_addr,
                                     eng.profile_requests)
-            watched.add(eng)
         if hz > _state["hz"]:
             _state["hz"] = hz
             start, _ = _real_start()

@@ -370,3 +370,19 @@ def test_fork_child_samples_its_own_requests():
     assert out["parent"] == ["/parent/{id}"]
     assert out["child"] == {"at_fork": [], "threads": 0,
                             "after": ["/child/{id}"]}
+
+
+def test_a_failing_sampler_never_breaks_requests(server, fresh_sampler,
+                                                 monkeypatch):
+    from greqprof import _registry
+
+    def broken(*args):
+        raise RuntimeError("no sampler today")
+    monkeypatch.setattr(_registry, "sampler_watch", broken)
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/wait/%d"] * 3, clients=1)
+    # Counted once per engine, and the thread's requests still take the
+    # C path (the sampler is tried once).
+    assert mw.stats["errors"] == 1
+    assert mw.stats["requests"] == 3
+    assert sampler.samples() == []
