@@ -428,8 +428,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         (_fastpath.c); this one sets up the thread's engine and arms the C
         path for it."""
         eng = _engine.current_engine()
-        if eng is None or eng.blocking_ns > self.config.blocking_ns:
-            # (also lowers a shared engine's threshold to this one's)
+        ns = self.config.blocking_ns
+        if eng is None or (ns and not 0 < eng.blocking_ns <= ns):
+            # (also lowers a shared engine's threshold to this one's, or
+            # sets it on an engine a middleware without blocking_ms made:
+            # stack_hz notes requests without it)
             eng = engine_for_thread(self.config)
         self._join(eng)
         g = getcurrent()
