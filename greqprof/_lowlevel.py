@@ -33,6 +33,39 @@ real_get_ident = _original("_thread", "get_ident")
 RealThreadLocal = _original("_thread", "_local")
 
 
+class _ThreadToken:
+    """Stands for one OS thread while it lives: thread idents are reused
+    once a thread has ended, this object is not.  Kept only in a real
+    thread-local, so it is dropped when its thread ends (in that thread,
+    as CPython clears the ending thread's state), and then runs the
+    callbacks registered in on_exit."""
+
+    __slots__ = ("on_exit", "__weakref__")
+
+    def __init__(self):
+        self.on_exit = []
+
+    def __del__(self):
+        if sys.is_finalizing():
+            return   # (the interpreter's exit: atexit did what it could)
+        for fn in self.on_exit:
+            try:
+                fn()
+            except BaseException:   # (never fail a thread's end)
+                pass
+
+
+_thread_mark = RealThreadLocal()
+
+
+def thread_token():
+    """The calling OS thread's _ThreadToken."""
+    tok = getattr(_thread_mark, "token", None)
+    if tok is None:
+        tok = _thread_mark.token = _ThreadToken()
+    return tok
+
+
 def _check(rc, what):
     if rc < 0:
         name = ffi.string(lib.gqp_err_name(rc)).decode()
@@ -137,7 +170,7 @@ class RawProfile(_ProfileReaders):
     """Owns one gqp_profile."""
 
     def __init__(self, max_spans=10000, keep="first", max_funcs=65536,
-                 max_greenlets=65536):
+                 max_greenlets=65536, clock=None):
         out = ffi.new("gqp_profile **")
         _check(lib.gqp_profile_new(out), "gqp_profile_new")
         self.ptr = ffi.gc(out[0], lib.gqp_profile_free)
@@ -153,6 +186,10 @@ class RawProfile(_ProfileReaders):
         if max_greenlets != 65536:
             self._set(lib.GQP_PROFILE_MAX_GREENLETS, max_greenlets,
                       "max_greenlets")
+        if clock is not None:   # (None: the tracer's call clock)
+            self._set(lib.GQP_PROFILE_CALL_CLOCK,
+                      lib.GQP_CLOCK_WALL if clock == "wall"
+                      else lib.GQP_CLOCK_CPU, "clock")
 
     def _set(self, param, value, name):
         _check(lib.gqp_profile_set(self.ptr, param, int(value)),

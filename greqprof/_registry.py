@@ -34,6 +34,15 @@ greenlet_id = None
 running_since = None
 #: wall_ns(): libgreqprof's monotonic clock in ns (a C function)
 wall_ns = None
+
+
+def own_work():
+    """What the caller does from here until it returns is greqprof's own
+    work (logging, delivery, rendering): left out of the function tables
+    of profiles.  The C function (_hooks/calls.c) replaces this no-op when
+    the hooks load."""
+
+
 #: the C base of ProfilingMiddleware: runs the path of unsampled requests
 #: (see _fastpath.c)
 MiddlewareBase = None
@@ -54,3 +63,7 @@ greenlet_profile = None
 #: open_profiles(hooks_address): sampled profiles open in that thread, as
 #: its CPU window counts them (see _sampled.c; tests)
 open_profiles = None
+#: unset_profiles(tracer_address): the tracer's default and session
+#: profiles set to none with the GIL held, so from any thread (see
+#: _sampled.c; profiler._Session.end)
+unset_profiles = None

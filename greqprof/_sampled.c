@@ -182,8 +182,10 @@ static PyObject *lib_error(const char *what, int rc)
 }
 
 /* A new profile for one request, as an instance of type (ProfileRef or a
- * subclass); NULL with an exception set. */
-static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
+ * subclass), its calls timed with `clock` (GQP_CLOCK_*); NULL with an
+ * exception set. */
+static PyObject *profref_make(PyTypeObject *type, size_t max_spans,
+                              int clock)
 {
     if (!PyType_IsSubtype(type, &gqp_profref_type)) {
         PyErr_SetString(PyExc_TypeError, "not a ProfileRef type");
@@ -196,6 +198,11 @@ static PyObject *profref_make(PyTypeObject *type, size_t max_spans)
     if (!(self->p = gqp_py_profile_new(max_spans))) {
         Py_DECREF(self);
         return lib_error("gqp_profile_new", GQP_ENOMEM);
+    }
+    int rc = gqp_profile_set(self->p, GQP_PROFILE_CALL_CLOCK, clock);
+    if (rc != GQP_OK) {
+        Py_DECREF(self);
+        return lib_error("gqp_profile_set", rc);
     }
     return (PyObject *)self;
 }
@@ -217,7 +224,8 @@ static PyObject *new_profile_py(PyObject *self, PyObject *const *args,
         }
         return NULL;
     }
-    return profref_make((PyTypeObject *)args[0], (size_t)max_spans);
+    return profref_make((PyTypeObject *)args[0], (size_t)max_spans,
+                        GQP_CLOCK_TRACER);
 }
 
 /* ---- Request ------------------------------------------------------------ */
@@ -510,11 +518,43 @@ static gqp_profile *greenlet_profile(gqp_py_thread *st, PyObject *g)
  * request, whatever the options, ends here.  0, or -1 with a
  * BaseException set (raised in a hook) that goes on once req is queued or
  * finalized. */
+/* req, finished in a thread other than its own, goes back to its
+ * engine's queue, and that thread's finisher is woken: it detaches the
+ * greenlet (its tracer is that thread's) before the greenlet's next
+ * request records into the profile, tells the observers, and finalizes
+ * it.  -1 when it cannot (the engine abandoned: a forked child's copy,
+ * or its thread gone, which released it). */
+static int queue_for_owner(gqp_mw *mw, gqp_req *req, PyObject *eng)
+{
+    if (!eng || engine_abandoned(eng)) {
+        return -1;
+    }
+    PyObject *pending = PyObject_GetAttr(eng, str_pending);
+    PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
+    int rc = pending && item && PyList_Check(pending) &&
+             PyList_Append(pending, item) == 0 ? 0 : -1;
+    Py_XDECREF(pending);
+    Py_XDECREF(item);
+    PyErr_Clear();
+    if (rc == 0) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                str_wake_from_thread, eng);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+    return rc;
+}
+
 static int req_finish(gqp_mw *mw, gqp_req *req)
 {
     if (req->done == Py_True) {
         if (req->truncated == Py_True && !req->end_seen && mw->observers &&
-            req->st && req->st == gqp__tls) {
+            req->st) {
+            if (req->st != gqp__tls) {
+                /* (its thread's finisher tells the observers) */
+                queue_for_owner(mw, req, req->engine);
+                return 0;
+            }
             /* Closed by max_lifetime while it went on: observers still
              * hear of its response's end (their span is open until
              * then), without a snapshot. */
@@ -536,28 +576,12 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     if (!st || !eng) {
         /* Not in the thread (or the process) it began in: a forked
          * child's copy is the parent's to report; another thread's goes
-         * back to its engine, whose finisher (or reaper) finalizes it. */
-        int rc = 0;
-        if (sampled && eng && !engine_abandoned(eng)) {
-            PyObject *pending = PyObject_GetAttr(eng, str_pending);
-            PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
-            rc = pending && item && PyList_Check(pending) &&
-                 PyList_Append(pending, item) == 0 ? 0 : -1;
-            Py_XDECREF(pending);
-            Py_XDECREF(item);
-            PyErr_Clear();
-            if (rc == 0) {
-                /* Its thread's finisher, woken now, detaches the greenlet
-                 * (its tracer is that thread's) before the greenlet's
-                 * next request records into this profile. */
-                PyObject *r = PyObject_CallMethodOneArg(
-                    (PyObject *)mw, str_wake_from_thread, eng);
-                Py_XDECREF(r);
-                PyErr_Clear();
-            }
-        } else {
-            rc = -1;
-        }
+         * back to its engine, whose finisher (or reaper) finalizes it,
+         * and tells the observers.  (Before: an observed request
+         * without a profile was dropped here, left in its engine for
+         * good, and observers never heard of its end.) */
+        int rc = sampled || mw->observers ? queue_for_owner(mw, req, eng)
+                                          : -1;
         if (rc < 0) {
             Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
         }
@@ -1159,7 +1183,8 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     PyErr_Clear();
     req->method = environ_str(environ, str_method_key, GQP_NOTE_MAX_METHOD);
     req->path = environ_str(environ, str_path_key, GQP_NOTE_MAX_PATH);
-    req->profile = sampled ? profref_make(self->profile_type, self->max_spans)
+    req->profile = sampled ? profref_make(self->profile_type, self->max_spans,
+                                          self->call_clock)
                            : Py_NewRef(Py_None);
     if (!req->request_id || !req->method || !req->path || !req->profile) {
         goto fail;
@@ -1940,6 +1965,26 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     return res;
 }
 
+/* finish_pending's pass stopped by a BaseException (set), which goes on:
+ * the queue keeps what waits and what the pass did not finish (from
+ * index `from` on). */
+static PyObject *pass_stopped(PyObject *pending, PyObject *waiting,
+                              Py_ssize_t from)
+{
+    PyObject *value = PyErr_GetRaisedException();
+    for (Py_ssize_t j = from; j < PyList_GET_SIZE(pending); j++) {
+        if (PyList_Append(waiting, PyList_GET_ITEM(pending, j)) < 0) {
+            break;
+        }
+    }
+    PyErr_Clear();
+    PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending), waiting);
+    Py_DECREF(waiting);
+    PyErr_Clear();
+    PyErr_SetRaisedException(value);
+    return NULL;
+}
+
 /* _registry.finish_pending(engine, pending, now): one pass of the
  * engine's finisher over its queue of (middleware, request): requests
  * whose greenlets are all done, or whose linger ran out, are finalized;
@@ -1988,6 +2033,16 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             attach_greenlet(rst, req->greenlet, NULL);
             PyErr_Clear();
         }
+        if (mw->observers && !req->end_seen && req->done == Py_True &&
+            req->st == gqp__tls) {
+            /* Finished from another thread (in its own, observers hear
+             * of it there): they hear of it here, in the request's. */
+            req->end_seen = 1;
+            if (lifecycle_hook(mw, str_observe_end, req) < 0) {
+                Py_DECREF(item);   /* (it stays queued: finalized later) */
+                return pass_stopped(pending, waiting, i);
+            }
+        }
         int wait = 0;
         /* A request the finisher sees queued for the first time waits one
          * pass, unless it woke the finisher itself: the children it
@@ -2026,21 +2081,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
                 /* A BaseException (the finisher killed) goes on; what
                  * this pass did not look at stays queued. */
                 Py_DECREF(item);
-                PyObject *value = PyErr_GetRaisedException();
-                for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(pending);
-                     j++) {
-                    if (PyList_Append(waiting,
-                                      PyList_GET_ITEM(pending, j)) < 0) {
-                        break;
-                    }
-                }
-                PyErr_Clear();
-                PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending),
-                                waiting);
-                Py_DECREF(waiting);
-                PyErr_Clear();
-                PyErr_SetRaisedException(value);
-                return NULL;
+                return pass_stopped(pending, waiting, i + 1);
             }
             Py_XDECREF(r);
         }
@@ -2087,8 +2128,12 @@ static PyObject *mw_finalize_setup(gqp_mw *self, PyObject *const *args,
     }
     Py_XSETREF(rp_type, (PyTypeObject *)Py_NewRef(args[0]));
     Py_XSETREF(rp_loader, Py_NewRef(args[1]));
+    int wall = PyUnicode_Check(args[2]) &&
+               PyUnicode_CompareWithASCIIString(args[2], "wall") == 0;
     Py_XSETREF(self->clock, Py_NewRef(args[2]));
     Py_XSETREF(self->hostname, Py_NewRef(args[3]));
+    /* (each middleware's own clock, whichever made the thread's tracer) */
+    self->call_clock = wall ? GQP_CLOCK_WALL : GQP_CLOCK_CPU;
     Py_RETURN_NONE;
 }
 
@@ -2214,6 +2259,28 @@ static PyMethodDef new_profile_def = {
     "new_profile", (PyCFunction)(void (*)(void))new_profile_py,
     METH_FASTCALL, "new_profile(type, max_spans) (internal)."};
 
+/* _registry.unset_profiles(tracer): the tracer's default and session
+ * profiles set to none, the GIL held all along: from a thread other than
+ * the tracer's, this is ordered with its hooks (which hold the GIL), where
+ * a cffi call would release it.  GQP_OK or a negative GQP_E* code. */
+static PyObject *unset_profiles_py(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    gqp_tracer *t = (gqp_tracer *)PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int rc = t ? gqp_tracer_set_session(t, NULL) : GQP_EINVAL;
+    if (rc == GQP_OK) {
+        rc = gqp_tracer_set_default(t, NULL);
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef unset_profiles_def = {
+    "unset_profiles", (PyCFunction)unset_profiles_py, METH_O,
+    "unset_profiles(tracer) (internal)."};
+
 /* Registers this file's types and functions in _registry.  0 or -1. */
 static int gqp_py_sampled_init(PyObject *reg)
 {
@@ -2273,7 +2340,7 @@ static int gqp_py_sampled_init(PyObject *reg)
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
                            &new_profile_def, &set_spawn_profile_def,
                            &finish_pending_def, &greenlet_profile_def,
-                           &open_profiles_def};
+                           &open_profiles_def, &unset_profiles_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

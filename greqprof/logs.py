@@ -6,17 +6,23 @@ import sys
 import threading
 
 
+#: the level greqprof gives its logger when the logger has none: lets INFO
+#: through like INFO, and tells greqprof's setting from a level the
+#: application sets later (INFO too, say), which is then left alone
+OWN_LEVEL = logging.INFO - 1
+
+
 class DefaultHandler(logging.StreamHandler):
     """The handler greqprof adds to its logger when nothing in the logger's
     hierarchy has one (werkzeug does the same for its own logger): reports
     and WARNINGs go to stderr.  It steps aside as soon as any other handler
     appears in the hierarchy, so the application's logging configuration,
-    made before or after, wins."""
+    made before or after, wins: from then on greqprof's records go where
+    they would have gone had it been made before the first request."""
 
-    def __init__(self, logger, set_level):
+    def __init__(self, logger):
         super().__init__()
         self._logger = logger
-        self._set_level = set_level   # we set the logger's level to INFO
         self.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s [%(name)s] %(message)s"))
 
@@ -29,12 +35,14 @@ class DefaultHandler(logging.StreamHandler):
         pass
 
     def emit(self, record):
-        if self._others():
-            self._retire()
-            return   # (the record goes on to the application's handlers)
-        super().emit(record)
+        # Another handler now: the record is theirs.  (Not removed from
+        # here: Logger.callHandlers is going through the list, removing
+        # from it would skip the next handler.  greqprof removes it before
+        # its next record, ensure_visible.)
+        if not self.others():
+            super().emit(record)
 
-    def _others(self):
+    def others(self):
         c = self._logger
         while c is not None:
             for h in c.handlers:
@@ -45,16 +53,31 @@ class DefaultHandler(logging.StreamHandler):
             c = c.parent
         return False
 
-    def _retire(self):
+    def retire(self):
         self._logger.removeHandler(self)
-        if self._set_level and self._logger.level == logging.INFO:
+        if self._logger.level == OWN_LEVEL:   # (else the application's)
             self._logger.setLevel(logging.NOTSET)
 
 
 def ensure_visible(logger):
-    """On a logger's first use by greqprof: when no handler anywhere in its
-    hierarchy would print (logging.lastResort does not count: it prints
-    WARNINGs only, and only the message), adds a DefaultHandler."""
+    """Before greqprof logs to a logger: on its first use, when no handler
+    anywhere in its hierarchy would print (logging.lastResort does not
+    count: it prints WARNINGs only, and only the message), adds a
+    DefaultHandler; later, once the application has a handler of its own
+    in the hierarchy, takes it away (and the level it set), so that
+    whether the record is logged at all is the application's
+    configuration's call."""
+    own = _defaults.get(logger.name)
+    if own is not None:
+        if not own.others() and own in logger.handlers:
+            return
+        with _checked_lock:
+            if _defaults.get(logger.name) is own:
+                del _defaults[logger.name]
+                own.retire()
+                # (looked at again as on first use: a configuration that
+                # took greqprof's handler away and left none gets it back)
+                _checked_loggers.discard(logger.name)
     if logger.name in _checked_loggers:
         return
     with _checked_lock:   # (threads: one handler, not one each)
@@ -62,15 +85,18 @@ def ensure_visible(logger):
             return
         if len(_checked_loggers) >= 1000:   # (logger names a user passes)
             _checked_loggers.clear()
-        if not logger.hasHandlers():
-            set_level = logger.level == logging.NOTSET
-            logger.addHandler(DefaultHandler(logger, set_level))
-            if set_level:
-                logger.setLevel(logging.INFO)
+        if not logger.hasHandlers() and len(_defaults) < 100:
+            own = DefaultHandler(logger)
+            logger.addHandler(own)
+            _defaults[logger.name] = own
+            if logger.level == logging.NOTSET:
+                logger.setLevel(OWN_LEVEL)
         _checked_loggers.add(logger.name)
 
 
 _checked_loggers = set()
+#: logger name -> the DefaultHandler greqprof gave it, while it is there
+_defaults = {}
 _checked_lock = threading.Lock()
 
 

@@ -2,7 +2,8 @@
 finisher (queued profiles, once their requests' greenlets are done), the
 reaper (profiles open past max_lifetime), the drain loop (blocking spans
 outside requests) and the flush of a thread's waiting profiles (on demand
-and at interpreter exit)."""
+and at interpreter exit).  None of these greenlets keeps the event loop
+running by itself: gevent.wait() returns once the app is idle."""
 import atexit
 import weakref
 from time import monotonic as _monotonic
@@ -52,7 +53,10 @@ def drain_loop(mw, eng):
     second (requests drain at their end)."""
     import gevent
     while not eng.abandoned:
-        gevent.sleep(1.0)
+        # (ref=False: this timer alone does not keep the loop running;
+        # gevent.wait() returns once the app is idle, and the loop goes
+        # on here when it runs again)
+        gevent.sleep(1.0, ref=False)
         try:
             blocking.drain(mw, eng)
             for m in list(eng.middlewares) or [mw]:
@@ -138,6 +142,10 @@ def _finish_pending_forever(eng):
             waiting = _registry.finish_pending(eng, eng.pending,
                                                _lowlevel.wall_ns())
         if waiting == 1:
+            # (a timer that keeps the loop running: a profile waiting for
+            # its request's greenlets, at most `linger`, is delivered
+            # before gevent.wait() returns; idle, the finisher waits on
+            # an Event, which does not)
             gevent.sleep(0.005)
             continue
         gevent.sleep(FINISH_BATCH_S)
@@ -177,7 +185,9 @@ def _reaper_loop(eng):
     import gevent
     while not eng.abandoned:
         lifetimes = [mw._max_lifetime for mw in list(eng.middlewares)]
-        gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]))
+        # (ref=False, as the drain loop's: while a request is open,
+        # something else keeps the loop running)
+        gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]), ref=False)
         if eng.abandoned or not eng.profile_requests:
             continue
         if eng.pending and not eng.finisher_woken:

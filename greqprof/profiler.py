@@ -2,10 +2,11 @@
 import os
 import sys
 import threading
+import weakref
 
-from . import _collect
+from . import _collect, _lowlevel, _registry
 from .engine import current_engine, running_profilers
-from ._lowlevel import RawProfile, RawTracer, real_get_ident
+from ._lowlevel import RawProfile, RawTracer, real_get_ident, thread_token
 from .errors import ConfigError, ProfilerStateError
 
 CLOCKS = ("cpu", "wall")
@@ -57,9 +58,15 @@ class _Session:
         self.profile = profile
         self.thread_name = thread_name
         self.thread_ident = real_get_ident()
+        # (the ident of a thread that ended is given to later threads)
+        self._thread = weakref.ref(thread_token())
         #: the ProfilingMiddleware engine whose tracer this session shares
         #: (a thread has one set of hooks), or None
         self.engine = engine
+
+    def is_this_thread(self):
+        """Whether this is the calling OS thread's session."""
+        return self._thread() is thread_token()
 
     def share(self, eng):
         """From now on this session is recorded through eng's tracer (the
@@ -84,20 +91,44 @@ class _Session:
         self.engine = eng
 
     def end(self, calls):
+        """Stops recording into this session, from any thread: only the
+        session's own thread touches its hooks (the call hook is a
+        per-thread setting), another thread asks it through its hub."""
         if self.engine is None:
-            self.tracer.uninstall()
+            # (from another thread the hooks only go quiet, under the GIL)
+            if self.tracer is not None:
+                self.tracer.uninstall()
             return
         # The middleware goes on: its hooks stay, the thread's greenlets
         # outside requests go back to no profile.
         eng, self.engine = self.engine, None
         if getattr(eng, "session", None) is self:
             eng.session = None
-        if not eng.abandoned:
+        if eng.abandoned:
+            return
+        if eng.thread_ident == real_get_ident():
             self.tracer.set_session(None)
             self.tracer.set_default(None)
             if calls:
                 eng.release_calls()
             eng.profile_closed()
+            return
+        # Another thread's engine: detached now, with the GIL held (its
+        # hooks record nothing more here); its call hook is released by
+        # its own thread, the next time its loop runs.
+        _lowlevel._check(_registry.unset_profiles(eng.tracer.addr),
+                         "unset_profiles")
+        eng.profile_closed()
+        if calls and eng.hub is not None:
+            eng.hub.loop.run_callback_threadsafe(_release_calls, eng)
+
+
+def _release_calls(eng):
+    # (runs in eng's thread, from its hub)
+    try:
+        eng.release_calls()
+    except Exception:  # the engine went away meanwhile: nothing to release
+        pass
 
 
 class Profiler:
@@ -165,10 +196,12 @@ class Profiler:
         recorded into this session's profile: those outside sampled
         requests as its default profile, those of sampled requests as its
         session profile, while the sampled requests' own profiles go on
-        unchanged.  The tracer's settings are the
-        middleware's (its clock; builtins and stack_threshold do not
-        apply); the CPU window is narrowed to 100 us meanwhile."""
-        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        unchanged.  Its calls are timed with this Profiler's clock (a
+        profile's own, libgreqprof 0.4); the other tracer settings are the
+        middleware's (builtins and stack_threshold do not apply); the CPU
+        window is narrowed to 100 us meanwhile."""
+        profile = RawProfile(max_spans=self.max_spans, keep="last",
+                             clock=self.clock)
         session = _Session(None, profile, threading.current_thread().name,
                            calls=self.calls)
         session.share(eng)
@@ -176,13 +209,13 @@ class Profiler:
             self._sessions.append(session)
         return session
 
-    def _session_holding_hooks(self, ident):
-        """This Profiler's session with its own hooks in thread ident, or
-        None (engine.py: a ProfilingMiddleware's engine takes the thread's
-        hooks over)."""
+    def _session_holding_hooks(self):
+        """This Profiler's session with its own hooks in the calling
+        thread, or None (engine.py: a ProfilingMiddleware's engine takes
+        the thread's hooks over)."""
         with self._lock:
             for s in self._sessions:
-                if s.thread_ident == ident and s.engine is None and \
+                if s.is_this_thread() and s.engine is None and \
                         s.tracer is not None and self._running:
                     return s
         return None
@@ -191,6 +224,16 @@ class Profiler:
         eng = current_engine()
         if eng is not None:
             return self._join_engine(eng)
+        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        session = _Session(self._install_tracer(profile), profile,
+                           threading.current_thread().name, calls=self.calls)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
+    def _install_tracer(self, profile):
+        """A tracer of this Profiler's settings recording the calling
+        thread into profile, its hooks installed."""
         tracer = RawTracer(
             cpu_mode=self._cpu_mode(), call_clock=self.clock,
             long_span_ns=(int(self.stack_threshold * 1e9)
@@ -198,16 +241,11 @@ class Profiler:
             cpu_window_ns=int(self.cpu_window * 1e9),
             max_depth=self.max_depth,
             history=0)  # waiting time is a per-request notion
-        profile = RawProfile(max_spans=self.max_spans, keep="last")
         tracer.set_default(profile)
         tracer.install(calls=self.calls, builtins=self.builtins,
                        inherit=False,
                        stacks=self.stack_threshold is not None)
-        session = _Session(tracer, profile, threading.current_thread().name,
-                           calls=self.calls)
-        with self._lock:
-            self._sessions.append(session)
-        return session
+        return tracer
 
     def start(self):
         """Starts profiling the calling thread and threads started later."""
@@ -230,9 +268,8 @@ class Profiler:
         sys.setprofile(self._prev_thread_profile)
         if not self._running:
             return
-        me = real_get_ident()
         with self._lock:
-            mine = [s for s in self._sessions if s.thread_ident == me]
+            mine = [s for s in self._sessions if s.is_this_thread()]
         try:
             if mine:
                 # A green thread (gevent.monkey) in an OS thread we already
@@ -258,14 +295,29 @@ class Profiler:
         with self._lock:
             sessions = list(self._sessions)
         for s in sessions:
-            s.end(self.calls)
+            try:
+                s.end(self.calls)
+            except Exception:  # (never raise: end every other session)
+                pass
 
     def _forked(self, me):
         with self._lock:
-            keep = [s for s in self._sessions if s.thread_ident == me]
+            keep = [s for s in self._sessions if s.is_this_thread()]
             self._sessions = keep
         for s in keep:
             s.profile.clear()
+            if s.engine is not None and self._running:
+                # It recorded through the middleware's engine, whose hooks
+                # the child takes out (engine._after_fork_in_child): it
+                # goes on with hooks of its own (a middleware request in
+                # the child shares them again, engine._new_engine).
+                eng, s.engine = s.engine, None
+                try:
+                    eng.abandon()
+                    eng.tracer.uninstall()
+                    s.tracer = self._install_tracer(s.profile)
+                except Exception:  # (never break the child)
+                    s.tracer = None
         self._starter = me
 
     def clear(self):

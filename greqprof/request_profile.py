@@ -106,9 +106,11 @@ def _size(text, kw):
 
 def _fit(d, max_bytes, kw):
     """json.dumps(d) cut to at most max_bytes (see RequestProfile.to_json):
-    callees per function to the 5 largest, then the spans (the longest,
-    kept in start order) and the functions (by inclusive time) halved in
-    turn, then the blocking events' stacks and the greenlets."""
+    the notes to what is left beside the rest (a quarter of the line at
+    least), callees per function to the 5 largest, then the spans (the
+    longest, kept in start order) and the functions (by inclusive time)
+    halved in turn, then the blocking events' stacks and the greenlets,
+    then every text (_fit_texts)."""
     cut = {"spans": 0, "calls": 0, "children": 0}
     d = dict(d)
     d["cut"] = cut
@@ -116,6 +118,11 @@ def _fit(d, max_bytes, kw):
     def text():
         return json.dumps(d, **kw)
 
+    notes = d.get("notes")
+    if notes:
+        d["notes"] = []
+        room = max(max_bytes - _size(text(), kw), max_bytes // 4)
+        d["notes"] = _fit_notes(notes, room, kw, cut)
     calls = d.get("calls")
     if calls:
         calls = [dict(f) for f in calls]
@@ -158,15 +165,111 @@ def _fit(d, max_bytes, kw):
                 d[key] = []
         d["longest_span"] = d["longest_span"] and dict(
             d["longest_span"], stack=None)
-        out = text()
-    if _size(out, kw) > max_bytes:
-        # (only the header is left: cap its free text, the request's)
-        for key in ("path", "error", "request_id", "status", "method"):
-            if isinstance(d.get(key), str) and len(d[key]) > 256:
-                d[key] = d[key][:256] + "...[cut]"
         d["waiting"] = dict(d["waiting"], top=[])
         out = text()
+    if _size(out, kw) > max_bytes and d.get("notes"):
+        cut["notes"] = cut.get("notes", 0) + len(d["notes"])
+        d["notes"] = []
+        out = text()
+    if _size(out, kw) > max_bytes:
+        # (only the header is left, with text as long as the app made it)
+        out = _fit_texts(d, max_bytes, kw, cut)
+    if _size(out, kw) > max_bytes and d.get("longest_span"):
+        cut["longest_span"] = 1   # (the last thing to go but the header)
+        d["longest_span"] = None
+        out = _fit_texts(d, max_bytes, kw, cut)
     return out
+
+
+def _fit_notes(notes, room, kw, cut):
+    """The first notes whose JSON fits in room bytes, the one that crosses
+    it shortened (marked like clean's cuts); cut["notes"] counts the notes
+    left out."""
+    kept = []
+    used = 2   # ("[]")
+    for note in notes:
+        size = _size(json.dumps(note, **kw), kw) + 2   # (", ")
+        if used + size > room:
+            left = room - used - 2
+            if left >= 64 and isinstance(note, str):
+                # the longest start of it that fits
+                lo, hi = 0, len(note)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if _size(json.dumps(_cap(note, mid), **kw), kw) <= left:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                kept.append(_cap(note, lo))
+            break
+        kept.append(note)
+        used += size
+    if kept != notes:
+        cut["notes"] = len(notes) - len(kept)
+    return kept
+
+
+def _cap(text, limit, tail=False):
+    """text cut to limit characters, marked as clean() marks its cuts
+    (``...[N more]``); tail: the end is kept (a stack's innermost frames),
+    the mark first."""
+    if len(text) <= limit:
+        return text
+    more = len(text) - limit
+    if tail:
+        return "...[%d more]%s" % (more, text[more:])
+    return "%s...[%d more]" % (text[:limit], more)
+
+
+#: texts whose end is kept when they are cut (stacks: the innermost frames)
+_TAIL_KEYS = frozenset(("stack", "sampled_stack"))
+#: the texts a JSON line is identified by: never cut
+_KEEP_KEYS = frozenset(("schema",))
+
+
+def _cap_texts(obj, limit, n, key=None):
+    """obj (JSON-ready) with every text longer than limit characters cut
+    (n[0] counts them)."""
+    if isinstance(obj, str):
+        if len(obj) <= limit or key in _KEEP_KEYS:
+            return obj
+        n[0] += 1
+        return _cap(obj, limit, key in _TAIL_KEYS)
+    if isinstance(obj, dict):
+        return {k: _cap_texts(v, limit, n, k) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_cap_texts(v, limit, n, key) for v in obj]
+    return obj
+
+
+def _fit_texts(d, max_bytes, kw, cut=None):
+    """json.dumps(d) with its longest texts cut, shorter and shorter, until
+    it fits in max_bytes (or every text is down to its mark).  ``cut``
+    (d's counts of what was left out, else a new one) gains "texts": how
+    many texts were cut; it goes under "cut" in the line."""
+    cut = dict(cut or {})
+    d = {k: v for k, v in d.items() if k != "cut"}
+    out = json.dumps(d, **kw)
+    for limit in (4096, 1024, 256, 64, 16, 0):
+        if _size(out, kw) <= max_bytes:
+            break
+        n = [0]
+        capped = _cap_texts(d, limit, n)
+        capped["cut"] = dict(cut, texts=n[0])
+        out = json.dumps(capped, **kw)
+    return out
+
+
+def fit_json(d, max_bytes=None, **kw):
+    """json.dumps(d, **kw) at most max_bytes long (None: no limit): a
+    longer one has its longest texts cut (each marked ``...[N more]``;
+    stacks keep their innermost frames) and a "cut" key with "texts", how
+    many.  For log lines that are not profiles (blocking events and
+    summaries)."""
+    out = json.dumps(d, **kw)
+    if max_bytes is None or _size(out, kw) <= max_bytes:
+        return out
+    return _fit_texts(d, max_bytes, kw)
 
 
 @dataclass(frozen=True)
@@ -197,6 +300,11 @@ class BlockingEvent:
         d = {"schema": "greqprof.blocking/1"}
         d.update(asdict(self))
         return d
+
+    def to_json(self, max_bytes=None, **kw):
+        """The event as one JSON text (``json.dumps`` keywords in kw); with
+        max_bytes, its longest texts are cut to fit (see fit_json)."""
+        return fit_json(self.to_dict(), max_bytes, **kw)
 
 
 @dataclass
@@ -325,12 +433,15 @@ class RequestProfile:
     def to_json(self, max_bytes=None, **kw):
         """The profile as one JSON text (``json.dumps`` keywords in kw).
 
-        max_bytes: when given and the JSON would be longer, the function
-        table (each function's callees first) and the spans are cut to
-        their largest entries until it fits, and ``"cut"`` counts what was
-        left out, e.g. ``{"spans": 120, "calls": 3400, "children": 900}``
-        (see docs/schema.md).  Log lines use it (``json_max_bytes``);
-        sinks, files and the inspector get everything."""
+        max_bytes: when given and the JSON would be longer, the notes, the
+        function table (each function's callees first) and the spans are
+        cut to their largest entries until it fits, then the texts (marked
+        ``...[N more]``), and ``"cut"`` counts what was left out, e.g.
+        ``{"spans": 120, "calls": 3400, "children": 900}`` (see
+        docs/schema.md).  1024 bytes always fit the header that is left
+        last; a smaller max_bytes gets that header, longer.  Log lines use
+        it (``json_max_bytes``); sinks, files and the inspector get
+        everything."""
         d = self.to_dict()
         text = json.dumps(d, **kw)
         if max_bytes is None or _size(text, kw) <= max_bytes:

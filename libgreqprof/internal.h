@@ -165,6 +165,7 @@ struct gqp_profile {
     _Atomic uint32_t attached; /* live greenlets routed here by tracers */
     bool closed;
     bool has_data;
+    int call_clock;       /* GQP_CLOCK_*: GQP_PROFILE_CALL_CLOCK */
     size_t max_name;
     gqp__spans spans;
     gqp__calls calls;

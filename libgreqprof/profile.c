@@ -39,6 +39,7 @@ GQP_API int gqp_profile_new(gqp_profile **out)
     p->serial = gqp__next_serial();
     p->generation = gqp__next_serial();
     p->max_name = 255;
+    p->call_clock = GQP_CLOCK_TRACER;
     p->max_greenlets = 65536;
     gqp__spans_init(&p->spans, 10000, GQP_KEEP_FIRST);
     gqp__calls_init(&p->calls);
@@ -106,6 +107,13 @@ GQP_API int gqp_profile_set(gqp_profile *p, gqp_profile_param param,
         if (value > (int64_t)1 << 24) return GQP_ERANGE;
         p->waits.max_events = (size_t)value;
         return GQP_OK;
+    case GQP_PROFILE_CALL_CLOCK:
+        if (value != GQP_CLOCK_TRACER && value != GQP_CLOCK_CPU &&
+            value != GQP_CLOCK_WALL) {
+            return GQP_ERANGE;
+        }
+        p->call_clock = (int)value;
+        return GQP_OK;
     }
     return GQP_EINVAL;
 }
@@ -128,6 +136,7 @@ GQP_API int gqp_profile_get(const gqp_profile *p, gqp_profile_param param,
     case GQP_PROFILE_MAX_NAME: *value = (int64_t)p->max_name; return GQP_OK;
     case GQP_PROFILE_MAX_WAIT_SITES: *value = (int64_t)p->waits.max; return GQP_OK;
     case GQP_PROFILE_MAX_WAIT_EVENTS: *value = (int64_t)p->waits.max_events; return GQP_OK;
+    case GQP_PROFILE_CALL_CLOCK: *value = p->call_clock; return GQP_OK;
     }
     return GQP_EINVAL;
 }

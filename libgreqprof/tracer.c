@@ -433,11 +433,20 @@ static inline int64_t wall_now(gqp_tracer *t)
     return t->wall_fn(t->clock_ctx);
 }
 
-/* Greenlet clock of g at wall `now` given the estimated CPU clock L. */
-static inline int64_t gclock_at(const gqp_tracer *t, const gqp__greenlet *g,
+/* The call clock of profile p's frames (GQP_CLOCK_CPU or GQP_CLOCK_WALL):
+ * its own, else the tracer's. */
+static inline int clock_of(const gqp_tracer *t, const gqp_profile *p)
+{
+    return p && p->call_clock != GQP_CLOCK_TRACER ? p->call_clock
+                                                  : t->call_clock;
+}
+
+/* Greenlet clock of g (`clock`: clock_of) at wall `now` given the
+ * estimated CPU clock L. */
+static inline int64_t gclock_at(int clock, const gqp__greenlet *g,
                                 int64_t now, int64_t L)
 {
-    if (t->call_clock == GQP_CLOCK_WALL) {
+    if (clock == GQP_CLOCK_WALL) {
         return now;
     }
     int64_t run = L - g->span_cpu0;
@@ -446,20 +455,20 @@ static inline int64_t gclock_at(const gqp_tracer *t, const gqp__greenlet *g,
 
 /* Greenlet clock of a paused greenlet (or the running one after its span
  * was closed). */
-static inline int64_t gclock_paused(const gqp_tracer *t,
-                                    const gqp__greenlet *g, int64_t now)
+static inline int64_t gclock_paused(int clock, const gqp__greenlet *g,
+                                    int64_t now)
 {
-    return t->call_clock == GQP_CLOCK_WALL ? now : g->cpu_total;
+    return clock == GQP_CLOCK_WALL ? now : g->cpu_total;
 }
 
 /* The clock a greenlet's frames are timed with. */
-static inline int64_t greenlet_clock(gqp_tracer *t, gqp__greenlet *g,
-                                     int64_t now)
+static inline int64_t greenlet_clock(gqp_tracer *t, int clock,
+                                     gqp__greenlet *g, int64_t now)
 {
-    if (t->call_clock == GQP_CLOCK_WALL) {
+    if (clock == GQP_CLOCK_WALL) {
         return now; /* without touching the CPU estimator */
     }
-    return gclock_at(t, g, now,
+    return gclock_at(clock, g, now,
                      t->cpu_mode == GQP_CPU_OFF ? now : cpu_at(t, now, false));
 }
 
@@ -812,13 +821,13 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
         if (dead) {
             gqp_profile *p = effective(t, g);
             if (p && g->depth) {
-                unwind(t, g, p, gclock_paused(t, g, now));
+                unwind(t, g, p, gclock_paused(clock_of(t, p), g, now));
             }
             gqp_profile *s;
             gqp__greenlet *sh = g->shadow ? session_stack(t, g, p, &s)
                                           : NULL;
             if (sh && sh->depth) {
-                unwind(t, sh, s, gclock_paused(t, g, now));
+                unwind(t, sh, s, gclock_paused(clock_of(t, s), g, now));
             }
             destroy(t, g);
         } else {
@@ -961,12 +970,16 @@ static GQP__ALWAYS_INLINE int call_in(gqp_tracer *t, gqp__greenlet *g,
 static GQP__NOINLINE int call_with_session(gqp_tracer *t, gqp__greenlet *g,
                                            gqp_profile *p, uint64_t func)
 {
-    int64_t start = greenlet_clock(t, g, wall_now(t));
+    int64_t now = wall_now(t);
+    int pc = clock_of(t, p);
+    int64_t start = greenlet_clock(t, pc, g, now);
     int ev = p ? call_in(t, g, p, func, start) : 0;
     gqp_profile *s;
     gqp__greenlet *sh = session_stack(t, g, p, &s);
     if (sh) {
-        ev |= call_in(t, sh, s, func, start);
+        int sc = clock_of(t, s);
+        ev |= call_in(t, sh, s, func,
+                      sc == pc ? start : greenlet_clock(t, sc, g, now));
     }
     return ev;
 }
@@ -988,7 +1001,8 @@ GQP_API int gqp_tracer_call(gqp_tracer *t, uint64_t func)
     if (!p) {
         return 0;
     }
-    return call_in(t, g, p, func, greenlet_clock(t, g, wall_now(t)));
+    return call_in(t, g, p, func,
+                   greenlet_clock(t, clock_of(t, p), g, wall_now(t)));
 }
 
 /* Pushes func on stack g (g's own, or its session stack) for profile p,
@@ -1105,15 +1119,13 @@ static GQP__NOINLINE int return_with_session(gqp_tracer *t,
                                              gqp__greenlet *g,
                                              gqp_profile *p)
 {
-    bool timed = false;
-    int64_t gnow = 0;
+    int64_t now = 0;
     if (p) {
         if (g->lost) {
             g->lost--;
         } else if (g->depth) {
-            gnow = greenlet_clock(t, g, wall_now(t));
-            timed = true;
-            pop_frame(g, p, gnow);
+            now = wall_now(t);
+            pop_frame(g, p, greenlet_clock(t, clock_of(t, p), g, now));
         }
     }
     gqp_profile *s;
@@ -1122,10 +1134,10 @@ static GQP__NOINLINE int return_with_session(gqp_tracer *t,
         if (sh->lost) {
             sh->lost--;
         } else if (sh->depth) {
-            if (!timed) {
-                gnow = greenlet_clock(t, g, wall_now(t));
+            if (!now) {
+                now = wall_now(t);
             }
-            pop_frame(sh, s, gnow);
+            pop_frame(sh, s, greenlet_clock(t, clock_of(t, s), g, now));
         }
     }
     return 0;
@@ -1153,7 +1165,7 @@ GQP_API int gqp_tracer_return(gqp_tracer *t)
         /* A frame entered before tracing (or attachment) began. */
         return 0;
     }
-    pop_frame(g, p, greenlet_clock(t, g, wall_now(t)));
+    pop_frame(g, p, greenlet_clock(t, clock_of(t, p), g, wall_now(t)));
     return 0;
 }
 
@@ -1184,15 +1196,15 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         int64_t now = wall_now(t);
         int64_t L = span_clock(t, now);
         gqp_profile *old = effective(t, g);
-        int64_t gnow = gclock_at(t, g, now, L);
         if (old && g->depth) {
-            unwind(t, g, old, gnow);
+            unwind(t, g, old, gclock_at(clock_of(t, old), g, now, L));
         }
         gqp__greenlet *sh = g->shadow;
         gqp_profile *s = t->session;
         if (sh && sh->depth && s && !s->closed &&
             s->generation == sh->stack_serial) {
-            unwind(t, sh, s, gnow); /* the session sees the same split */
+            /* (the session sees the same split) */
+            unwind(t, sh, s, gclock_at(clock_of(t, s), g, now, L));
         }
         ev = close_span(t, g, now, L, GQP_SPAN_SPLIT);
         start_span(t, g, now, L);
@@ -1400,14 +1412,14 @@ GQP_API int gqp_tracer_flush_ex(gqp_tracer *t, unsigned flags)
         gqp_profile *p = effective(t, g);
         if (p && g->depth) {
             /* close_span already moved the running greenlet's clock on. */
-            unwind(t, g, p, gclock_paused(t, g, now));
+            unwind(t, g, p, gclock_paused(clock_of(t, p), g, now));
         }
         reset_stack(g, g->stack_serial);
         gqp__greenlet *sh = g->shadow;
         gqp_profile *s = t->session;
         if (sh && sh->depth && s && !s->closed &&
             s->generation == sh->stack_serial) {
-            unwind(t, sh, s, gclock_paused(t, g, now));
+            unwind(t, sh, s, gclock_paused(clock_of(t, s), g, now));
         }
         if (sh) {
             reset_stack(sh, sh->stack_serial);

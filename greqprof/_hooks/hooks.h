@@ -14,6 +14,9 @@
 
 #include "greqprof.h"
 
+/* greenlets switched out in greqprof's own work, per thread (calls.c) */
+#define GQP_OWN_PARK 8
+
 typedef struct gqp_py_thread {
     gqp_tracer *tracer;        /* borrowed: owned by the Python object */
     unsigned long thread_id;
@@ -35,6 +38,16 @@ typedef struct gqp_py_thread {
     int open_profiles;         /* sampled profiles open (_sampled.c) */
     int busy;                  /* hooks running on it (st_enter) */
     int orphan;                /* freed while busy: the last st_leave frees */
+    /* greqprof's own work (calls.c): the running greenlet's, and those of
+     * greenlets that switched out in it */
+    int own;                   /* calls are not recorded */
+    int own_depth;             /* frames entered since own_work() */
+    int own_parked;            /* entries in own_park */
+    int own_next;              /* the entry replaced when it is full */
+    struct gqp_own_park {
+        uint64_t key, id;
+        int depth;
+    } own_park[GQP_OWN_PARK];
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -45,6 +58,13 @@ static _Thread_local gqp_py_thread *gqp__tls;
 typedef struct {
     PyObject_HEAD
     gqp_py_thread *st;
+    /* Once st is gone (NULL), what the hooks pass every event on to: the
+     * hooks they had replaced.  A hook that another tool chained on top
+     * of (gevent's monitor thread does) is left in place at stop, so its
+     * chain is not broken; it then only forwards. */
+    PyObject *fwd_trace;
+    Py_tracefunc fwd_prof;
+    PyObject *fwd_prof_obj;
 } gqp_hookref;
 
 /* Fetched from greqprof._registry by gqp_py_init. */
@@ -54,6 +74,7 @@ static PyObject *reg_long;      /* list of long-span records */
 static PyObject *reg_names;     /* greenlet id -> (name, fn_name) */
 static PyObject *reg_hub_ids;   /* thread ident -> its hub's id */
 static PyObject *greenlet_settrace;
+static PyObject *greenlet_gettrace;
 static PyObject *greenlet_getcurrent;
 /* greenlet's `dead`, `gr_frame` and `parent` descriptors, called through
  * their type's __get__ slot: an attribute lookup per switch costs more. */
@@ -88,6 +109,10 @@ static PyObject *module_dir(PyObject *mod);
 #define GQP_PY_MAX_CODES 20000
 #define GQP_PY_STACK_DEPTH 40
 
+/* calls.c */
+static void own_switch(gqp_py_thread *st, PyObject *from, PyObject *to,
+                       int dead);
+static PyMethodDef own_work_def;
 /* entries.c */
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
@@ -106,5 +131,6 @@ static uint64_t thread_generation;            /* gqp_py_thread_start's */
 static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key);
 static void run_forget(gqp_py_thread *st, uint64_t key);
 static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names);
+static PyObject *run_names_of_id(gqp_py_thread *st, uint64_t id);
 
 #endif /* GQP_HOOKS_H */

@@ -42,6 +42,7 @@ static int gqp_py_init(void)
     PyErr_Clear();
     PyObject *gtype = PyObject_GetAttrString(gm, "greenlet");
     greenlet_settrace = PyObject_GetAttrString(gm, "settrace");
+    greenlet_gettrace = PyObject_GetAttrString(gm, "gettrace");
     greenlet_getcurrent = PyObject_GetAttrString(gm, "getcurrent");
     reg_codes = PyObject_GetAttrString(reg, "codes");
     reg_stacks = PyObject_GetAttrString(reg, "stacks");
@@ -67,7 +68,7 @@ static int gqp_py_init(void)
     Py_XDECREF(gtype);
     PyMethodDef *defs[] = {&attach_def,
                            &greenlet_id_def, &running_since_def,
-                           &wall_ns_def};
+                           &wall_ns_def, &own_work_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         if (!fn || PyObject_SetAttrString(reg, defs[i]->ml_name, fn) < 0) {
@@ -83,7 +84,8 @@ static int gqp_py_init(void)
         Py_CLEAR(reg_codes);
         goto out;
     }
-    if (greenlet_settrace && greenlet_getcurrent && reg_codes &&
+    if (greenlet_settrace && greenlet_gettrace && greenlet_getcurrent &&
+        reg_codes &&
         reg_stacks && reg_long && reg_names && reg_hub_ids &&
         PyDict_Check(reg_hub_ids) && reg_wait_sites &&
         PyDict_Check(reg_wait_sites) &&
@@ -108,6 +110,35 @@ out:
 #define GQP_PY_STACKS 0x8
 #define GQP_PY_CALLS_LATER 0x10 /* install the call hook on gqp_py_calls */
 
+/* Takes st's switch hook out of the calling thread (st's own), putting
+ * back the one it replaced, but only while it is still the installed
+ * one: a tool that installed its own on top (gevent's monitor thread
+ * does, and calls ours from it) keeps its hook, and ours stays in that
+ * chain as a pass-through (hookref's fwd_trace once st is freed). */
+static void unhook_switch(gqp_py_thread *st)
+{
+    PyObject *cur = PyObject_CallNoArgs(greenlet_gettrace);
+    if (cur == st->trace_fn) {
+        PyObject *r = PyObject_CallFunctionObjArgs(
+            greenlet_settrace, st->prev_trace ? st->prev_trace : Py_None,
+            NULL);
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(cur);
+    PyErr_Clear();
+}
+
+/* The same for the call hook: the previous one is put back only while
+ * ours is installed (a cProfile enabled later replaced it and goes on). */
+static void unhook_calls(gqp_py_thread *st)
+{
+    PyThreadState *ts = PyThreadState_Get();
+    if (ts->c_profilefunc == gqp__profile && ts->c_profileobj == st->ref) {
+        PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
+    }
+    st->profile_installed = 0;
+}
+
 /* Installs the hooks in the calling thread, feeding tracer t.  The current
  * greenlet starts a span now.  Returns a state for gqp_py_thread_stop, or
  * NULL (*err: -1 init failed, -2 hooks already installed here, -3 no
@@ -125,13 +156,9 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         /* Left quiet by a stop from another thread: remove it now. */
         gqp_py_thread *old = gqp__tls;
         if (old->profile_installed) {
-            PyEval_SetProfile(old->prev_prof, old->prev_prof_obj);
+            unhook_calls(old);
         }
-        PyObject *r = PyObject_CallFunctionObjArgs(
-            greenlet_settrace, old->prev_trace ? old->prev_trace : Py_None,
-            NULL);
-        Py_XDECREF(r);
-        PyErr_Clear();
+        unhook_switch(old);
         gqp__tls = NULL;
         old->installed = 0;
         if (!old->tracer) {
@@ -166,6 +193,9 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
         goto out;
     }
     ref->st = st;
+    ref->fwd_trace = NULL;
+    ref->fwd_prof = NULL;
+    ref->fwd_prof_obj = NULL;
     st->ref = (PyObject *)ref;
     st->trace_fn = PyCFunction_New(&gqp__trace_def, st->ref);
     PyObject *prev = st->trace_fn
@@ -238,13 +268,9 @@ static int gqp_py_thread_stop(gqp_py_thread *st)
     int own = gqp__tls == st;
     if (own) {
         if (st->profile_installed) {
-            PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
-            st->profile_installed = 0;
+            unhook_calls(st);
         }
-        PyObject *r = PyObject_CallFunctionObjArgs(
-            greenlet_settrace, st->prev_trace ? st->prev_trace : Py_None, NULL);
-        Py_XDECREF(r);
-        PyErr_Clear();
+        unhook_switch(st);
         gqp__tls = NULL;
         st->installed = 0;
     }
@@ -268,11 +294,21 @@ static int gqp_py_calls(gqp_py_thread *st, int on)
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
     } else if (on && !st->profile_installed) {
+        own_reset(st);
+        /* Chain to what is installed now (it may have changed since the
+         * start: a cProfile enabled meanwhile). */
+        PyThreadState *ts = PyThreadState_Get();
+        if (ts->c_profilefunc != gqp__profile ||
+            ts->c_profileobj != st->ref) {
+            PyObject *old = st->prev_prof_obj;
+            st->prev_prof = ts->c_profilefunc;
+            st->prev_prof_obj = Py_XNewRef(ts->c_profileobj);
+            Py_XDECREF(old);
+        }
         PyEval_SetProfile(gqp__profile, st->ref);
         st->profile_installed = 1;
     } else if (!on && st->profile_installed) {
-        PyEval_SetProfile(st->prev_prof, st->prev_prof_obj);
-        st->profile_installed = 0;
+        unhook_calls(st);
     }
     PyGILState_Release(gs);
     return rc;
@@ -291,6 +327,7 @@ static int gqp_py_reinstall_calls(gqp_py_thread *st)
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
     } else if (st->profile_installed) {
+        own_reset(st);
         PyEval_SetProfile(gqp__profile, st->ref);
     }
     PyGILState_Release(gs);

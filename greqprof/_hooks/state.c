@@ -3,12 +3,20 @@
  * A part of _hooks.c (one translation unit, see there). */
 #include "hooks.h"
 
+static void hookref_dealloc(gqp_hookref *self)
+{
+    Py_XDECREF(self->fwd_trace);
+    Py_XDECREF(self->fwd_prof_obj);
+    PyObject_Free(self);
+}
+
 static PyTypeObject gqp_hookref_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "greqprof._core.hookref",
     .tp_basicsize = sizeof(gqp_hookref),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "greqprof hook state (internal)",
+    .tp_dealloc = (destructor)hookref_dealloc,
 };
 
 /* The argument count check of the METH_FASTCALL functions below: 0, or
@@ -60,11 +68,15 @@ static void st_release(gqp_py_thread *st)
         st->orphan = 1;
         return;
     }
-    ((gqp_hookref *)st->ref)->st = NULL;
+    /* The hookref outlives st when another tool still calls our hooks:
+     * they go on forwarding to what they had replaced. */
+    gqp_hookref *ref = (gqp_hookref *)st->ref;
+    ref->st = NULL;
+    Py_XSETREF(ref->fwd_trace, st->prev_trace);
+    ref->fwd_prof = st->prev_prof;
+    Py_XSETREF(ref->fwd_prof_obj, st->prev_prof_obj);
     Py_XDECREF(st->trace_fn);
     Py_XDECREF(st->ref);
-    Py_XDECREF(st->prev_trace);
-    Py_XDECREF(st->prev_prof_obj);
     notes_free(st);
     free(st);
 }

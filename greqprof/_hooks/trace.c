@@ -85,7 +85,10 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         Py_RETURN_NONE;
     }
     if (!st) {
-        Py_RETURN_NONE;
+        /* A pass-through left in another tool's chain (hookref). */
+        PyObject *fwd = ((gqp_hookref *)self)->fwd_trace;
+        return fwd ? PyObject_Vectorcall(fwd, args, (size_t)nargs, NULL)
+                   : Py_NewRef(Py_None);
     }
     st_enter(st);
     if (st->active) {
@@ -102,6 +105,9 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
                                    dead ? GQP_SWITCH_FROM_DEAD : 0);
         if (dead_id) {
             forget_later(dead_id);
+        }
+        if (st->own | st->own_parked) {
+            own_switch(st, origin, target, dead);
         }
         if (ev > 0) {
             if (ev & GQP_EV_LONG_SPAN) {

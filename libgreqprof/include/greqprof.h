@@ -80,7 +80,7 @@ extern "C" {
 
 /* ---- version ---------------------------------------------------------- */
 #define GQP_VERSION_MAJOR 0
-#define GQP_VERSION_MINOR 3
+#define GQP_VERSION_MINOR 4
 #define GQP_VERSION_PATCH 0
 #define GQP_VERSION_NUMBER \
     (GQP_VERSION_MAJOR * 10000 + GQP_VERSION_MINOR * 100 + GQP_VERSION_PATCH)
@@ -177,8 +177,17 @@ typedef enum gqp_profile_param {
     GQP_PROFILE_MAX_NAME = 6,      /* bytes kept of a name (default 255)    */
     GQP_PROFILE_MAX_WAIT_SITES = 7, /* wait sites kept (default 256, 0 = no
                                        wait accounting; since 0.2)        */
-    GQP_PROFILE_MAX_WAIT_EVENTS = 8 /* waits kept one by one (default 1024,
+    GQP_PROFILE_MAX_WAIT_EVENTS = 8, /* waits kept one by one (default 1024,
                                        the first ones; 0 = none; 0.2)     */
+    /* The clock this profile's call statistics are timed with:
+     * GQP_CLOCK_TRACER (default: the tracer's GQP_TRACER_CALL_CLOCK),
+     * GQP_CLOCK_CPU or GQP_CLOCK_WALL.  Profiles with different clocks can
+     * share one tracer (and a session profile can differ from the profile
+     * a greenlet is attached to): each frame is timed with the clock of
+     * the profile it is recorded in.  GQP_CLOCK_CPU needs a tracer CPU
+     * mode other than GQP_CPU_OFF (with it off, CPU time advances like wall
+     * time).  Since 0.4. */
+    GQP_PROFILE_CALL_CLOCK = 9
 } gqp_profile_param;
 
 #define GQP_KEEP_FIRST 0
@@ -245,8 +254,9 @@ GQP_API int gqp_profile_name_greenlet(gqp_profile *p, uint64_t greenlet_id,
 
 /* Function statistics, cProfile semantics: ncall counts every call,
  * nactual the non-recursive (outermost) ones; ttot is inclusive time counted
- * once per outermost frame, tsub exclusive time.  Times use the tracer's
- * call clock (GQP_TRACER_CALL_CLOCK). */
+ * once per outermost frame, tsub exclusive time.  Times use the profile's
+ * call clock (GQP_PROFILE_CALL_CLOCK; by default the tracer's,
+ * GQP_TRACER_CALL_CLOCK). */
 typedef struct gqp_func_stat {
     uint64_t key;
     uint64_t ncall;
@@ -336,7 +346,8 @@ typedef enum gqp_tracer_param {
     GQP_TRACER_CPU_WINDOW_NS = 2,
     /* GQP_CLOCK_CPU (default) or GQP_CLOCK_WALL: how call times are taken.
      * CPU: a frame only accrues time while its own greenlet runs on CPU.
-     * WALL: elapsed time, including time the greenlet was switched out. */
+     * WALL: elapsed time, including time the greenlet was switched out.
+     * A profile's own GQP_PROFILE_CALL_CLOCK wins over it (0.4). */
     GQP_TRACER_CALL_CLOCK = 3,
     /* Spans at least this long (wall) raise GQP_EV_LONG_SPAN (default 0 =
      * never). */
@@ -352,6 +363,7 @@ typedef enum gqp_tracer_param {
 #define GQP_CPU_EXACT 2
 #define GQP_CLOCK_CPU 0
 #define GQP_CLOCK_WALL 1
+#define GQP_CLOCK_TRACER 2 /* GQP_PROFILE_CALL_CLOCK: the tracer's (0.4) */
 
 /* Flags in the non-negative result of event functions. */
 #define GQP_EV_NEW_GREENLET 0x1 /* the target was seen for the first time   */

@@ -778,7 +778,7 @@ static void run_op(fz *z, uint8_t op)
         break;
     case OP_TSET: {
         ti = pick_tracer(z);
-        int param = rd(z) % 10; /* 0 and 9 are invalid */
+        int param = rd(z) % 11; /* 0 and 10 are invalid */
         int64_t v = pick_value(z);
         size_t live = gqp_tracer_greenlet_count(z->t[ti]);
         rc = gqp_tracer_set(z->t[ti], (gqp_tracer_param)param, v);
@@ -799,12 +799,12 @@ static void run_op(fz *z, uint8_t op)
     }
     case OP_PSET: {
         p = pick_prof(z, NULL);
-        int param = rd(z) % 10; /* 0 and 9 are invalid */
+        int param = rd(z) % 11; /* 0 and 10 are invalid */
         int64_t v = pick_value(z);
         rc = gqp_profile_set(p, (gqp_profile_param)param, v);
         if (p == NULL)
             CHECK(rc == GQP_EINVAL, "profile_set(NULL) = %d", rc);
-        else if (param == 0 || param == 9)
+        else if (param == 0 || param == 10)
             CHECK(rc == GQP_EINVAL || rc == GQP_ESTATE || rc == GQP_ERANGE,
                   "profile_set(bad param) = %d", rc);
         if (rc == GQP_OK) {
@@ -974,6 +974,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     for (int k = 0; k < NPROF; k++) {
         CHECK(gqp_profile_new(&z.p[k]) == GQP_OK, "profile_new");
+        /* profiles with clocks of their own beside the tracer's (0.4) */
+        CHECK(gqp_profile_set(z.p[k], GQP_PROFILE_CALL_CLOCK,
+                              k % 3 == 1 ? GQP_CLOCK_CPU
+                              : k % 3 == 2 ? GQP_CLOCK_WALL
+                                           : GQP_CLOCK_TRACER) == GQP_OK,
+              "profile clock");
     }
     if (cfg & 128) { /* small caps on profile 0 */
         CHECK(gqp_profile_set(z.p[0], GQP_PROFILE_MAX_SPANS, 4) == GQP_OK,

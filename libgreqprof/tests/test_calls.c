@@ -54,6 +54,19 @@ static void check_seed_cpu(const gqp_profile *p)
     ASSERT_EQ_U64(gqp_profile_calls_dropped(p), 0);
 }
 
+static void check_seed_wall(const gqp_profile *p)
+{
+    /* elapsed time, switched-out and off-CPU time included:
+     * a: 1 + (10 + 20) + 2 + 1 = 34 own;  b: 5 + 3 + 4 = 12;  c: 7 */
+    ASSERT_EQ_SIZE(gqp_profile_func_count(p), 3);
+    ASSERT_FUNC(p, FA, 1, 1, 53, 34);
+    ASSERT_FUNC(p, FB, 1, 1, 12, 12);
+    ASSERT_FUNC(p, FC, 1, 1, 7, 7);
+    ASSERT_EDGE(p, FA, FB, 1, 1, 12, 12);
+    ASSERT_EDGE(p, FA, FC, 1, 1, 7, 7);
+    ASSERT_EQ_SIZE(count_real_edges(p), 2);
+}
+
 TEST(calls_seed_scenario_cpu_clock)
 {
     fake_clock c;
@@ -87,17 +100,92 @@ TEST(calls_seed_scenario_wall_clock)
     fc_init(&c);
     gqp_tracer *t = new_tracer_profile(&c, GQP_CPU_EXACT, GQP_CLOCK_WALL, &p);
     seed_scenario(t, &c);
-    /* elapsed time, switched-out and off-CPU time included:
-     * a: 1 + (10 + 20) + 2 + 1 = 34 own;  b: 5 + 3 + 4 = 12;  c: 7 */
-    ASSERT_EQ_SIZE(gqp_profile_func_count(p), 3);
-    ASSERT_FUNC(p, FA, 1, 1, 53, 34);
-    ASSERT_FUNC(p, FB, 1, 1, 12, 12);
-    ASSERT_FUNC(p, FC, 1, 1, 7, 7);
-    ASSERT_EDGE(p, FA, FB, 1, 1, 12, 12);
-    ASSERT_EDGE(p, FA, FC, 1, 1, 7, 7);
-    ASSERT_EQ_SIZE(count_real_edges(p), 2);
+    check_seed_wall(p);
     gqp_tracer_free(t);
     gqp_profile_free(p);
+}
+
+/* GQP_PROFILE_CALL_CLOCK: a profile's own clock wins over the tracer's,
+ * both ways. */
+TEST(calls_profile_clock_overrides_the_tracers)
+{
+    for (int wall = 0; wall < 2; wall++) {
+        fake_clock c;
+        fc_init(&c);
+        gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT,
+                                   wall ? GQP_CLOCK_CPU : GQP_CLOCK_WALL);
+        gqp_profile *p = new_profile();
+        int64_t v = -1;
+        ASSERT_OK(gqp_profile_get(p, GQP_PROFILE_CALL_CLOCK, &v));
+        ASSERT_EQ_I64(v, GQP_CLOCK_TRACER);
+        ASSERT_RC(gqp_profile_set(p, GQP_PROFILE_CALL_CLOCK, 3), GQP_ERANGE);
+        ASSERT_OK(gqp_profile_set(p, GQP_PROFILE_CALL_CLOCK,
+                                  wall ? GQP_CLOCK_WALL : GQP_CLOCK_CPU));
+        ASSERT_OK(gqp_profile_get(p, GQP_PROFILE_CALL_CLOCK, &v));
+        ASSERT_EQ_I64(v, wall ? GQP_CLOCK_WALL : GQP_CLOCK_CPU);
+        ASSERT_OK(gqp_tracer_set_default(t, p));
+        seed_scenario(t, &c);
+        if (wall) {
+            check_seed_wall(p);
+        } else {
+            check_seed_cpu(p);
+        }
+        gqp_tracer_free(t);
+        gqp_profile_free(p);
+    }
+}
+
+/* One tracer, two profiles with different clocks at once: G attached to a
+ * CPU-clock profile while a WALL-clock session profile sees it too (two
+ * middlewares in one thread, or a Profiler beside a middleware).  Each
+ * gets its own clock's times, including the frames a re-attach or the end
+ * of the greenlet unwinds. */
+TEST(calls_attached_and_session_profiles_with_different_clocks)
+{
+    for (int swap = 0; swap < 2; swap++) {
+        fake_clock c;
+        fc_init(&c);
+        gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+        gqp_profile *a = new_profile(), *s = new_profile();
+        ASSERT_OK(gqp_profile_set(a, GQP_PROFILE_CALL_CLOCK,
+                                  swap ? GQP_CLOCK_WALL : GQP_CLOCK_CPU));
+        ASSERT_OK(gqp_profile_set(s, GQP_PROFILE_CALL_CLOCK,
+                                  swap ? GQP_CLOCK_CPU : GQP_CLOCK_WALL));
+        ASSERT_OK(gqp_tracer_set_session(t, s));
+        ASSERT_OK(gqp_tracer_attach(t, KG, a));
+        seed_scenario(t, &c);
+        check_seed_cpu(swap ? s : a);
+        check_seed_wall(swap ? a : s);
+
+        /* frames still open when G is detached, then when it dies */
+        gqp_profile *a2 = new_profile(), *s2 = new_profile();
+        ASSERT_OK(gqp_profile_set(a2, GQP_PROFILE_CALL_CLOCK, GQP_CLOCK_CPU));
+        ASSERT_OK(gqp_profile_set(s2, GQP_PROFILE_CALL_CLOCK,
+                                  GQP_CLOCK_WALL));
+        ASSERT_OK(gqp_tracer_set_session(t, s2));
+        ASSERT_OK(gqp_tracer_attach(t, KG, a2));
+        EV(gqp_tracer_switch(t, 0, KG, 0));
+        EV(gqp_tracer_call(t, FD));
+        fc_run(&c, 3);
+        EV(gqp_tracer_switch(t, KG, KH, 0));
+        fc_idle(&c, 10);
+        EV(gqp_tracer_switch(t, KH, KG, 0));
+        fc_run(&c, 2);
+        ASSERT_OK(gqp_tracer_attach(t, KG, NULL)); /* unwinds FD */
+        ASSERT_FUNC(a2, FD, 1, 1, 5, 5);
+        ASSERT_FUNC(s2, FD, 1, 1, 15, 15);
+        EV(gqp_tracer_call(t, FE)); /* the session's only now */
+        fc_run(&c, 4);
+        fc_idle(&c, 6);
+        EV(gqp_tracer_switch(t, KG, KH, GQP_SWITCH_FROM_DEAD));
+        ASSERT_FUNC(s2, FE, 1, 1, 10, 10);
+        ASSERT_EQ_I64(find_func(a2, FE, NULL), 0);
+        gqp_tracer_free(t);
+        gqp_profile_free(a);
+        gqp_profile_free(s);
+        gqp_profile_free(a2);
+        gqp_profile_free(s2);
+    }
 }
 
 /* The spans of the seed scenario, for completeness. */

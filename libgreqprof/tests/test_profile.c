@@ -73,7 +73,7 @@ TEST(profile_set_get_invalid)
     gqp_profile *p = new_profile();
     int64_t v = 99;
     ASSERT_RC(gqp_profile_set(p, (gqp_profile_param)0, 1), GQP_EINVAL);
-    ASSERT_RC(gqp_profile_set(p, (gqp_profile_param)9, 1), GQP_EINVAL);
+    ASSERT_RC(gqp_profile_set(p, (gqp_profile_param)10, 1), GQP_EINVAL);
     ASSERT_RC(gqp_profile_set(p, (gqp_profile_param)-1, 1), GQP_EINVAL);
     ASSERT_RC(gqp_profile_get(p, (gqp_profile_param)0, &v), GQP_EINVAL);
     ASSERT_RC(gqp_profile_get(p, (gqp_profile_param)1000, &v), GQP_EINVAL);
