@@ -174,6 +174,7 @@ def test_write_pprof_is_read_by_go_pprof(server, fresh_sampler, tmp_path,
     mw, port = server(stack_hz=HZ)
     load([port], ["/cpu/%d", "/wait/%d"] * 6)
     path = tmp_path / "stacks.pb.gz"
+    sampler.stop()   # (the test's own greenlet would go on being sampled)
     n = mw.write_pprof(path)
     assert n == sum(c for _, _, c in sampler.samples()) and n > 0
     raw = Raw(pprof_tool(path, "-raw"))

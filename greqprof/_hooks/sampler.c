@@ -112,11 +112,9 @@ static PyObject *smp_route(gqp_py_thread *st, PyObject *by_addr,
  * stays its own while the entry exists. */
 static long smp_frame_id(PyObject *code, int line)
 {
-    unsigned char raw[16];
-    uint64_t a = (uint64_t)(uintptr_t)code, b = (uint64_t)(uint32_t)line;
-    memcpy(raw, &a, 8);
-    memcpy(raw + 8, &b, 8);
-    PyObject *key = _PyLong_FromByteArray(raw, 16, 1, 0);
+    /* (only for a stack not seen before: two ints are cheap enough) */
+    PyObject *key = Py_BuildValue("(Ki)",
+                                  (unsigned long long)(uintptr_t)code, line);
     if (!key) {
         PyErr_Clear();
         return -1;
