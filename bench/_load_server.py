@@ -32,7 +32,9 @@ factory::
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
-gqp-5pct, gqp-100pct (report=False), gqp-5pct-logged, gqp-100pct-logged,
+gqp-5pct, gqp-100pct (report=False), gqp-0pct-stack100 and
+gqp-5pct-stack100 (the stack sampler at 100 Hz, the default),
+gqp-0pct-nostack (stack_hz=0), gqp-5pct-logged, gqp-100pct-logged,
 gqp-5pct-calls-logged (each report logged at INFO to a file handler),
 bare-logged (no profiler, one access line logged per request the same
 way), gqp-100pct-calls, gevent-monitor (gevent's monitor thread, no
@@ -269,6 +271,13 @@ CONFIGS = {
                  _greqprof(pct=0.0)),
     "gqp-5pct": ("greqprof pct=0.05 (spans), report=False",
                  _greqprof(pct=0.05)),
+    "gqp-0pct-stack100": ("greqprof pct=0 stack_hz=100 (blocking detection "
+                          "and the stack sampler, the default)",
+                          _greqprof(pct=0.0, stack_hz=100)),
+    "gqp-0pct-nostack": ("greqprof pct=0 stack_hz=0 (blocking detection "
+                         "only)", _greqprof(pct=0.0, stack_hz=0)),
+    "gqp-5pct-stack100": ("greqprof pct=0.05 stack_hz=100",
+                          _greqprof(pct=0.05, stack_hz=100)),
     "gqp-100pct": ("greqprof pct=1.0 (spans), report=False",
                    _greqprof(pct=1.0)),
     "gqp-5pct-logged": ("greqprof pct=0.05, each report logged at INFO to "

@@ -126,6 +126,7 @@ int gqp_py_calls(gqp_py_thread *st, int on);
 int gqp_py_reinstall_calls(gqp_py_thread *st);
 void gqp_py_thread_free(gqp_py_thread *st);
 uint32_t gqp_py_capture_thread(unsigned long thread_id);
+int gqp_py_sampler_init(void);
 int gqp_py_inject_alloc_failures(long after, long count);
 long gqp_py_alloc_failures_left(void);
 size_t gqp_py_read_spans(gqp_profile *p, gqp_span *out, size_t n);

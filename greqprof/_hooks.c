@@ -27,7 +27,8 @@
  *   install.c  gqp_py_init, thread start/stop, the call hook on/off
  *   entries.c  attach, greenlet_id, running_since, wall_ns, profile_new
  *   reader.c   bulk readers, read_profile
- *   faults.c   allocation failure injection (tests) */
+ *   faults.c   allocation failure injection (tests)
+ *   sampler.c  the stack sampler (stack_hz) */
 #include "_hooks/hooks.h"
 #include "_hooks/state.c"
 #include "_hooks/names.c"
@@ -40,3 +41,4 @@
 #include "_hooks/entries.c"
 #include "_hooks/reader.c"
 #include "_hooks/faults.c"
+#include "_hooks/sampler.c"

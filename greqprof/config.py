@@ -357,6 +357,11 @@ VARIABLES = {
         0.0, 86400.0, unit="seconds"), 10.0),
     "GREQPROF_JSON_MAX_BYTES": ("json_max_bytes", _Number(
         1024, 2 ** 30, integer=True, unit="bytes"), 65536),
+    # (0 or None: off; at most 1000 samples a second; on by default: its
+    # cost at 100 Hz is within the noise of the bench, docs/fleet.md)
+    "GREQPROF_STACK_HZ": ("stack_hz", _Number(
+        0.0, 1000.0, off=True, zero_off=True, unit="samples per second"),
+        100),
 }
 
 #: option -> spec of the options that only code sets

@@ -161,6 +161,8 @@ def engine_for_thread(config):
             eng.blocking_ns = config.blocking_ns
             eng.tracer.set(_lowlevel.lib.GQP_TRACER_LONG_SPAN_NS,
                            config.blocking_ns, "long span")
+            if config.watchdog:   # (a first one without blocking_ms)
+                Watchdog.ensure(config.blocking_ns)
         return eng
     eng = _new_engine(config)
     _local.engine = eng

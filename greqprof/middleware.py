@@ -6,7 +6,7 @@ import os
 import random
 import socket
 
-from . import _collect, _registry, blocking, logs, loops, policy
+from . import _collect, _registry, blocking, logs, loops, policy, sampler
 from ._lowlevel import RequestRawProfile
 from . import engine as _engine
 from .engine import engine_for_thread
@@ -75,6 +75,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     :param report: log the text/JSON report of sampled requests.
     :param watchdog: run a watchdog thread that captures what a blocking
         greenlet is running while it holds the loop.
+    :param stack_hz: samples per second of each serving thread's running
+        Python stack, counted per request route (``write_pprof``); the
+        hub is left out (default 100).  0 or None: off.
     :param max_lifetime: seconds a sampled request's profile may stay
         open (default 60): a longer request (a stream, a long poll) has its
         profile closed and delivered then, with ``truncated=True``, and
@@ -105,7 +108,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
                  otel_spans=UNSET, observers=(), environ=None,
                  max_lifetime=60.0, blocking_interval=UNSET,
-                 json_max_bytes=UNSET):
+                 json_max_bytes=UNSET, stack_hz=UNSET):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -118,7 +121,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             linger=linger, profile_dir=profile_dir, formats=formats,
             otel=otel, otel_spans=otel_spans,
             blocking_interval=blocking_interval,
-            json_max_bytes=json_max_bytes), environ)
+            json_max_bytes=json_max_bytes, stack_hz=stack_hz), environ)
         self.enabled = opts["enabled"]
         pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
         blocking_ms, logger = opts["blocking_ms"], opts["logger"]
@@ -177,8 +180,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # common sampled ones (_sampled.c) by itself; the rest comes
             # back to _call_slow.
             cfg = self.config
+            # (the sampler names a sample's route from the request's note)
+            self._stack_hz = float(opts["stack_hz"] or 0)
             self._fast_setup(cfg.pct, self._random, self._trigger_key,
-                             bool(cfg.blocking_ns),
+                             bool(cfg.blocking_ns or self._stack_hz),
                              self.inspector is not None or bool(self.observers),
                              self.stats, cfg.calls, self.linger,
                              cfg.max_open, cfg.max_spans, RequestRawProfile)
@@ -236,6 +241,19 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         thread that exits) and, under ``python -m greqprof serve``, on
         SIGTERM and SIGINT."""
         return loops.flush_thread(timeout)
+
+    def write_pprof(self, path):
+        """Writes the stack samples so far (``stack_hz``) to ``path`` as a
+        gzipped pprof ``profile.proto``: sample types samples/count and
+        cpu/nanoseconds (samples x the sampling period), a ``route`` label
+        on each sample (docs/fleet.md).  The samples are the process's:
+        every thread a middleware with ``stack_hz`` serves.  Returns the
+        number of samples written."""
+        if not self._stack_hz:
+            raise ConfigError("write_pprof: stack_hz is off for this "
+                              "middleware (stack_hz=%r)" % (self._stack_hz,))
+        return sampler.write_pprof(path, sampler.period_ns()
+                                   or int(1e9 / self._stack_hz))
 
     def __repr__(self):
         # Never show the trigger secret.
@@ -324,7 +342,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self.stats["requests"] += 1
             sampled_by = policy.draw(self, environ)
         if sampled_by is None and not self.observers:
-            if cfg.blocking_ns:
+            if cfg.blocking_ns or self._stack_hz:
                 self._note_unsampled(environ)
             else:
                 # What the greenlet spawns now is not its previous,
@@ -411,8 +429,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         (_fastpath.c); this one sets up the thread's engine and arms the C
         path for it."""
         eng = _engine.current_engine()
-        if eng is None or eng.blocking_ns > self.config.blocking_ns:
-            # (also lowers a shared engine's threshold to this one's)
+        ns = self.config.blocking_ns
+        if eng is None or (ns and not 0 < eng.blocking_ns <= ns):
+            # (also lowers a shared engine's threshold to this one's, or
+            # sets it on an engine a middleware without blocking_ms made:
+            # stack_hz notes requests without it)
             eng = engine_for_thread(self.config)
         self._join(eng)
         g = getcurrent()
@@ -436,6 +457,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             loops.start_drain_loop(self, eng)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
+        if self._stack_hz and eng not in sampler.watched:
+            try:
+                sampler.watch(eng, self._stack_hz)
+            except Exception as e:   # (never the request's problem)
+                self._internal_error("stack sampler", e)
         self._arm(eng.tracer.hooks_addr, eng, _engine.fork_generation())
 
     def _notify(self, observer, event, *args):

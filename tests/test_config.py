@@ -101,6 +101,7 @@ READ = {
     "GREQPROF_BLOCKING_INTERVAL": (
         lambda mw: mw._blocking_sites.interval, 10.0),
     "GREQPROF_JSON_MAX_BYTES": (lambda mw: mw.json_max_bytes, 65536),
+    "GREQPROF_STACK_HZ": (lambda mw: mw._stack_hz, 100.0),
 }
 
 SECRET = "s3cret-value-42"
@@ -154,6 +155,8 @@ VALID = [
     ("GREQPROF_BLOCKING_INTERVAL", "0", {}, 0.0),
     ("GREQPROF_BLOCKING_INTERVAL", " 2.5 ", {}, 2.5),
     ("GREQPROF_JSON_MAX_BYTES", "16000", {}, 16000),
+    ("GREQPROF_STACK_HZ", "100", {}, 100.0),
+    ("GREQPROF_STACK_HZ", "off", {}, 0),
 ]
 
 HAVE_OTEL = True
@@ -226,6 +229,8 @@ INVALID = [
     ("GREQPROF_BLOCKING_INTERVAL", "-1"), ("GREQPROF_BLOCKING_INTERVAL", "x"),
     ("GREQPROF_BLOCKING_INTERVAL", "nan"),
     ("GREQPROF_JSON_MAX_BYTES", "100"), ("GREQPROF_JSON_MAX_BYTES", "64k"),
+    ("GREQPROF_STACK_HZ", "-1"), ("GREQPROF_STACK_HZ", "1001"),
+    ("GREQPROF_STACK_HZ", "fast"),
 ]
 
 @pytest.mark.parametrize("var,raw", INVALID,

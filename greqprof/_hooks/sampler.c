@@ -1,0 +1,552 @@
+/* _hooks/sampler.c -- the stack sampler (stack_hz): a Python thread of its
+ * own runs sampler_run, which sleeps without the GIL and then, holding it,
+ * looks at each watched serving thread once per tick: the greenlet running
+ * there (the tracer's current one), its request's route, and its Python
+ * stack, counted per (route, stack) in the dicts greqprof/sampler.py made.
+ * Nothing runs in the serving thread per sample; the sampler's tick is C
+ * except the route naming of a path not seen before (a bounded cache).
+ * A part of _hooks.c (one translation unit, see there). */
+#include "hooks.h"
+#include <errno.h>
+#include <time.h>
+
+#define GQP_SMP_THREADS 64       /* serving threads watched at once */
+#define GQP_SMP_DEPTH 64         /* frames kept per stack (leaf first) */
+#define GQP_SMP_ROUTE_CACHE 4096 /* path -> route entries before a reset */
+
+typedef struct {
+    PyObject *ref;        /* the thread's hookref (st NULL once freed) */
+    PyObject *by_addr;    /* its engine's profile_requests */
+    uint64_t ts_id;       /* PyThreadState_GetID of the serving thread */
+} gqp_smp_watch;
+
+static gqp_smp_watch smp_watched[GQP_SMP_THREADS];
+static int smp_n;
+static uint64_t smp_gen;          /* bumped by stop/reset: a loop ends */
+/* Set by sampler_setup (greqprof/sampler.py's table): */
+static PyObject *smp_counts;      /* (route, stack id) -> samples */
+static PyObject *smp_ids;         /* stack hash -> stack id */
+static PyObject *smp_stacks;      /* list: stack id -> frame ids (bytes) */
+static PyObject *smp_frames;      /* list: frame id -> (code, line) */
+static PyObject *smp_frame_ids;   /* (code address, line) -> frame id */
+static PyObject *smp_routes;      /* path -> route (a cache) */
+static PyObject *smp_route_fn;    /* path -> route, Python */
+static PyObject *smp_no_request, *smp_other, *smp_path_str;
+static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
+static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
+    smp_truncated;
+
+static void smp_drop(int i)
+{
+    gqp_smp_watch w = smp_watched[i];
+    smp_watched[i] = smp_watched[--smp_n];
+    Py_XDECREF(w.ref);
+    Py_XDECREF(w.by_addr);
+}
+
+static PyThreadState *smp_tstate(uint64_t id)
+{
+    PyInterpreterState *in = PyInterpreterState_Get();
+    for (PyThreadState *ts = PyInterpreterState_ThreadHead(in); ts;
+         ts = PyThreadState_Next(ts)) {
+        if (PyThreadState_GetID(ts) == id) {
+            return ts;
+        }
+    }
+    return NULL;
+}
+
+/* The route of the running greenlet g (key/gid/p from the tracer): its
+ * sampled request's, else the noted request of it or its spawners; a new
+ * reference. */
+static PyObject *smp_route(gqp_py_thread *st, PyObject *by_addr,
+                           PyObject *g, uint64_t gid, gqp_profile *p)
+{
+    PyObject *path = NULL;
+    if (p && by_addr) {
+        PyObject *k = PyLong_FromVoidPtr(p);
+        PyObject *req = k ? PyDict_GetItemWithError(by_addr, k) : NULL;
+        Py_XDECREF(k);
+        if (req) {
+            path = PyObject_GetAttr(req, smp_path_str);
+        }
+        PyErr_Clear();
+    }
+    if (!path) {
+        PyObject *chain = spawner_chain(st, g, gid);
+        PyObject *note = chain ? note_find(st, chain) : NULL;
+        if (note && PyTuple_Check(note) && PyTuple_GET_SIZE(note) == 3) {
+            path = Py_NewRef(PyTuple_GET_ITEM(note, 1));
+        }
+        Py_XDECREF(note);
+        Py_XDECREF(chain);
+        PyErr_Clear();
+    }
+    if (!path || !PyUnicode_Check(path)) {
+        Py_XDECREF(path);
+        return Py_NewRef(smp_no_request);
+    }
+    PyObject *route = PyDict_GetItemWithError(smp_routes, path);
+    if (route) {
+        Py_DECREF(path);
+        return Py_NewRef(route);
+    }
+    route = PyObject_CallOneArg(smp_route_fn, path);
+    if (!route || !PyUnicode_Check(route)) {
+        Py_XDECREF(route);
+        PyErr_Clear();
+        Py_DECREF(path);
+        return Py_NewRef(smp_other);
+    }
+    if (PyDict_GET_SIZE(smp_routes) >= GQP_SMP_ROUTE_CACHE) {
+        PyDict_Clear(smp_routes);
+    }
+    PyDict_SetItem(smp_routes, path, route);
+    PyErr_Clear();
+    Py_DECREF(path);
+    return route;
+}
+
+/* The id of frame (code, line), interned in smp_frames; -1 when the
+ * table of frames is full.  The entry holds the code object: its address
+ * stays its own while the entry exists. */
+static long smp_frame_id(PyObject *code, int line)
+{
+    /* (only for a stack not seen before: two ints are cheap enough) */
+    PyObject *key = Py_BuildValue("(Ki)",
+                                  (unsigned long long)(uintptr_t)code, line);
+    if (!key) {
+        PyErr_Clear();
+        return -1;
+    }
+    long id = -1;
+    PyObject *v = PyDict_GetItemWithError(smp_frame_ids, key);
+    if (v) {
+        id = PyLong_AsLong(v);
+    } else if (!PyErr_Occurred() &&
+               PyList_GET_SIZE(smp_frames) < smp_max_frames) {
+        PyObject *fl = Py_BuildValue("(Oi)", code, line);
+        PyObject *idv = PyLong_FromSsize_t(PyList_GET_SIZE(smp_frames));
+        if (fl && idv && PyList_Append(smp_frames, fl) == 0 &&
+            PyDict_SetItem(smp_frame_ids, key, idv) == 0) {
+            id = PyLong_AsLong(idv);
+        }
+        Py_XDECREF(fl);
+        Py_XDECREF(idv);
+    }
+    PyErr_Clear();
+    Py_DECREF(key);
+    return id;
+}
+
+/* 1 when stack entry s (packed uint32 frame ids, leaf first) is the
+ * stack codes/lines. */
+static int smp_same_stack(PyObject *s, PyObject **codes, int *lines, int n)
+{
+    if (!PyBytes_Check(s) || PyBytes_GET_SIZE(s) != (Py_ssize_t)n * 4) {
+        return 0;
+    }
+    const char *ids = PyBytes_AS_STRING(s);
+    for (int i = 0; i < n; i++) {
+        uint32_t fid;
+        memcpy(&fid, ids + 4 * i, 4);
+        if (fid >= (uint32_t)PyList_GET_SIZE(smp_frames)) {
+            return 0;
+        }
+        PyObject *fl = PyList_GET_ITEM(smp_frames, fid);
+        if (PyTuple_GET_ITEM(fl, 0) != codes[i] ||
+            PyLong_AsLong(PyTuple_GET_ITEM(fl, 1)) != lines[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The id of the stack of frames codes/lines (leaf first), 0 when the
+ * tables are full.  A stack is kept as its frames' ids (4 bytes each),
+ * found by a hash of its code objects and lines and checked frame by
+ * frame. */
+static long smp_stack_id(PyObject **codes, int *lines, int n)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (int i = 0; i < n; i++) {
+        h = (h ^ (uint64_t)(uintptr_t)codes[i]) * 1099511628211ULL;
+        h = (h ^ (uint64_t)(uint32_t)lines[i]) * 1099511628211ULL;
+    }
+    PyObject *key = PyLong_FromUnsignedLongLong(h);
+    if (!key) {
+        PyErr_Clear();
+        return 0;
+    }
+    long id = 0;
+    PyObject *v = PyDict_GetItemWithError(smp_ids, key);
+    if (v) {
+        id = PyLong_AsLong(v);
+        if (id <= 0 || id >= PyList_GET_SIZE(smp_stacks) ||
+            !smp_same_stack(PyList_GET_ITEM(smp_stacks, id), codes, lines,
+                            n)) {
+            id = 0;   /* (a 64-bit hash collision: counted as <other>) */
+        }
+    } else if (!PyErr_Occurred() &&
+               PyList_GET_SIZE(smp_stacks) <= smp_max_stacks) {
+        uint32_t fids[GQP_SMP_DEPTH];
+        int ok = 1;
+        for (int i = 0; i < n && ok; i++) {
+            long f = smp_frame_id(codes[i], lines[i]);
+            ok = f >= 0;
+            fids[i] = (uint32_t)f;
+        }
+        PyObject *s = ok ? PyBytes_FromStringAndSize((const char *)fids,
+                                                     (Py_ssize_t)n * 4)
+                         : NULL;
+        PyObject *idv = s ? PyLong_FromSsize_t(PyList_GET_SIZE(smp_stacks))
+                          : NULL;
+        if (idv && PyList_Append(smp_stacks, s) == 0 &&
+            PyDict_SetItem(smp_ids, key, idv) == 0) {
+            id = PyLong_AsLong(idv);
+        }
+        Py_XDECREF(idv);
+        Py_XDECREF(s);
+    }
+    PyErr_Clear();
+    Py_DECREF(key);
+    return id;
+}
+
+static void smp_count(PyObject *route, long id)
+{
+    PyObject *key = Py_BuildValue("(Ol)", route, id);
+    PyObject *old = key ? PyDict_GetItemWithError(smp_counts, key) : NULL;
+    if (!old && key && !PyErr_Occurred() &&
+        PyDict_GET_SIZE(smp_counts) >= smp_max_keys) {
+        Py_DECREF(key);
+        key = Py_BuildValue("(Ol)", smp_other, 0L);
+        old = key ? PyDict_GetItemWithError(smp_counts, key) : NULL;
+        smp_truncated++;
+    }
+    long long n = old ? PyLong_AsLongLong(old) : 0;
+    PyObject *v = key ? PyLong_FromLongLong(n + 1) : NULL;
+    if (v) {
+        PyDict_SetItem(smp_counts, key, v);
+    }
+    Py_XDECREF(v);
+    Py_XDECREF(key);
+    PyErr_Clear();
+}
+
+/* Line numbers by (code, instruction): computing one scans the code's
+ * line table, which was most of a tick's cost.  Direct-mapped; an entry
+ * holds its code object, so its address is not reused meanwhile. */
+#define GQP_SMP_LINES 4096       /* a power of two */
+#if PY_VERSION_HEX < 0x030B0000
+#define PyFrame_GetLasti(f) ((f)->f_lasti)   /* (3.10: public field) */
+#endif
+static struct {
+    PyCodeObject *code;
+    int lasti, line, own;
+} smp_lines[GQP_SMP_LINES];
+
+/* f's line (f's code is co); *own: a frame of greqprof's own. */
+static int smp_line(PyFrameObject *f, PyCodeObject *co, int *own)
+{
+    int lasti = PyFrame_GetLasti(f);
+    size_t h = ((size_t)(uintptr_t)co >> 4 ^ (size_t)lasti * 2654435761u) &
+               (GQP_SMP_LINES - 1);
+    if (lasti >= 0 && smp_lines[h].code == co && smp_lines[h].lasti == lasti) {
+        *own = smp_lines[h].own;
+        return smp_lines[h].line;
+    }
+    PyObject *file = PyObject_GetAttr((PyObject *)co, co_filename_str);
+    *own = file && own_dir && PyUnicode_Check(file) &&
+        PyUnicode_Tailmatch(file, own_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
+    Py_XDECREF(file);
+    PyErr_Clear();
+    int line = PyFrame_GetLineNumber(f);
+    if (lasti >= 0) {
+        PyCodeObject *old = smp_lines[h].code;
+        smp_lines[h].code = (PyCodeObject *)Py_NewRef(co);
+        smp_lines[h].lasti = lasti;
+        smp_lines[h].line = line;
+        smp_lines[h].own = *own;
+        Py_XDECREF(old);
+    }
+    return line;
+}
+
+/* One sample of watched thread i (GIL held); 0, or -1 when the entry
+ * was dropped (its thread or hooks are gone). */
+static int smp_sample(int i)
+{
+    gqp_smp_watch *w = &smp_watched[i];
+    gqp_py_thread *st = ((gqp_hookref *)w->ref)->st;
+    PyThreadState *ts = st ? smp_tstate(w->ts_id) : NULL;
+    if (!ts) {
+        smp_drop(i);
+        return -1;
+    }
+    uint64_t key = 0, gid = 0;
+    gqp_profile *p = NULL;
+    /* busy: its switch hook is under way (the tracer's current greenlet
+     * may not be the one running). */
+    if (!st_live(st) || st->busy ||
+        gqp_tracer_current(st->tracer, &key, &gid, &p) != GQP_OK || !key) {
+        smp_skipped++;
+        return 0;
+    }
+    if (key == st->hub_key) {
+        smp_idle++;   /* the hub: waiting for I/O or running callbacks */
+        return 0;
+    }
+    PyFrameObject *f = PyThreadState_GetFrame(ts);
+    if (!f) {
+        smp_skipped++;
+        return 0;
+    }
+    PyObject *codes[GQP_SMP_DEPTH];
+    int lines[GQP_SMP_DEPTH];
+    int n = 0;
+    while (f && n < GQP_SMP_DEPTH) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        int own = 0;
+        int line = smp_line(f, co, &own);
+        if (own) {
+            Py_DECREF(co);   /* (greqprof's own frames: not the app's) */
+        } else {
+            codes[n] = (PyObject *)co;
+            lines[n] = line;
+            n++;
+        }
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    /* The route first: naming a new path runs Python, which may end the
+     * request or stop the hooks (the code objects, the state and the
+     * engine's dict are held meanwhile; a reset may drop w). */
+    PyObject *by_addr = Py_XNewRef(w->by_addr);
+    st_enter(st);
+    PyObject *route = smp_route(st, by_addr, (PyObject *)(uintptr_t)key,
+                                gid, p);
+    st_leave(st);
+    Py_XDECREF(by_addr);
+    long id = n ? smp_stack_id(codes, lines, n) : 0;
+    if (n && !id) {
+        smp_truncated++;
+    }
+    for (int j = 0; j < n; j++) {
+        Py_DECREF(codes[j]);
+    }
+    if (n) {
+        smp_count(route, id);
+        smp_samples++;
+    } else {
+        smp_skipped++;
+    }
+    Py_DECREF(route);
+    return 0;
+}
+
+static void smp_tick(void)
+{
+    smp_ticks++;
+    if (!smp_counts) {
+        return;
+    }
+    for (int i = 0; i < smp_n;) {
+        if (smp_sample(i) == 0) {
+            i++;
+        }
+    }
+}
+
+/* sampler_watch(hooks_address, profile_requests): watch the calling
+ * thread (whose hooks those are). */
+static PyObject *smp_watch_py(PyObject *self, PyObject *const *args,
+                              Py_ssize_t nargs)
+{
+    (void)self;
+    if (want_args(nargs, 2, "sampler_watch") < 0) {
+        return NULL;
+    }
+    gqp_py_thread *st = (gqp_py_thread *)PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!st || st != gqp__tls || !st->active || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sampler_watch: not the calling thread's hooks");
+        return NULL;
+    }
+    uint64_t id = PyThreadState_GetID(PyThreadState_Get());
+    for (int i = 0; i < smp_n; i++) {
+        if (((gqp_hookref *)smp_watched[i].ref)->st == st) {
+            Py_RETURN_TRUE;
+        }
+    }
+    if (smp_n >= GQP_SMP_THREADS) {
+        Py_RETURN_FALSE;
+    }
+    smp_watched[smp_n].ref = Py_NewRef(st->ref);
+    smp_watched[smp_n].by_addr = Py_NewRef(args[1]);
+    smp_watched[smp_n].ts_id = id;
+    smp_n++;
+    Py_RETURN_TRUE;
+}
+
+/* sampler_setup(counts, ids, stacks, frames, frame_ids, routes, route_fn,
+ *               no_request, other, max_stacks, max_frames, max_keys) */
+static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
+                              Py_ssize_t nargs)
+{
+    (void)self;
+    if (want_args(nargs, 12, "sampler_setup") < 0) {
+        return NULL;
+    }
+    Py_ssize_t ms = PyLong_AsSsize_t(args[9]);
+    Py_ssize_t mf = PyLong_AsSsize_t(args[10]);
+    Py_ssize_t mk = PyLong_AsSsize_t(args[11]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) ||
+        !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
+        !PyDict_CheckExact(args[4]) || !PyDict_CheckExact(args[5]) ||
+        !PyCallable_Check(args[6]) || !PyUnicode_Check(args[7]) ||
+        !PyUnicode_Check(args[8]) || ms < 1 || mk < 1 || mf < 1 ||
+        mf > UINT32_MAX) {
+        PyErr_SetString(PyExc_TypeError, "sampler_setup: bad arguments");
+        return NULL;
+    }
+    PyObject **slots[] = {&smp_counts, &smp_ids, &smp_stacks, &smp_frames,
+                          &smp_frame_ids, &smp_routes, &smp_route_fn,
+                          &smp_no_request, &smp_other};
+    for (int i = 0; i < 9; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
+    smp_max_stacks = ms;
+    smp_max_frames = mf;
+    smp_max_keys = mk;
+    smp_ticks = smp_samples = smp_idle = smp_skipped = smp_truncated = 0;
+    Py_RETURN_NONE;
+}
+
+/* sampler_run(period_ns): the sampler thread's loop, until sampler_stop
+ * (or another sampler_run) is called; the GIL is released while it
+ * sleeps. */
+static PyObject *smp_run_py(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    long long period = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (period < 100000 || period > 60000000000LL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sampler_run: period out of range");
+        return NULL;
+    }
+    uint64_t gen = ++smp_gen;
+    struct timespec next;
+    clock_gettime(CLOCK_MONOTONIC, &next);
+    while (gen == smp_gen) {
+        next.tv_nsec += period % 1000000000LL;
+        next.tv_sec += period / 1000000000LL + next.tv_nsec / 1000000000L;
+        next.tv_nsec %= 1000000000L;
+        Py_BEGIN_ALLOW_THREADS
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &next, NULL)
+               == EINTR) {
+        }
+        Py_END_ALLOW_THREADS
+        if (gen != smp_gen) {
+            break;
+        }
+        smp_tick();
+        /* Late (the GIL came after a whole period): start again from now
+         * rather than sampling in a burst. */
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long long late = (now.tv_sec - next.tv_sec) * 1000000000LL +
+                         (now.tv_nsec - next.tv_nsec);
+        if (late > period) {
+            next = now;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* sampler_stop(): the running loop ends after its sleep. */
+static PyObject *smp_stop_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    smp_gen++;
+    Py_RETURN_NONE;
+}
+
+/* sampler_reset(): no thread watched (after a fork, in the child). */
+static PyObject *smp_reset_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    smp_gen++;
+    while (smp_n > 0) {
+        smp_drop(smp_n - 1);
+    }
+    Py_RETURN_NONE;
+}
+
+/* sampler_stats(): counters since sampler_setup. */
+static PyObject *smp_stats_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("{sKsKsKsKsKsi}", "ticks", smp_ticks,
+                         "samples", smp_samples, "idle", smp_idle,
+                         "skipped", smp_skipped, "truncated", smp_truncated,
+                         "threads", smp_n);
+}
+
+static PyMethodDef smp_defs[] = {
+    {"sampler_watch", (PyCFunction)(void (*)(void))smp_watch_py,
+     METH_FASTCALL, "Samples the calling thread's stacks (internal)."},
+    {"sampler_setup", (PyCFunction)(void (*)(void))smp_setup_py,
+     METH_FASTCALL, "Sets where samples are counted (internal)."},
+    {"sampler_run", (PyCFunction)smp_run_py, METH_O,
+     "The sampler thread's loop (internal)."},
+    {"sampler_stop", (PyCFunction)smp_stop_py, METH_NOARGS,
+     "Ends the sampler's loop (internal)."},
+    {"sampler_reset", (PyCFunction)smp_reset_py, METH_NOARGS,
+     "Forgets the watched threads (internal)."},
+    {"sampler_stats", (PyCFunction)smp_stats_py, METH_NOARGS,
+     "The sampler's counters (internal)."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Puts the sampler's functions into greqprof._registry: 0, or -1. */
+static int gqp_py_sampler_init(void)
+{
+    if (gqp_py_init() != 0) {
+        return -1;
+    }
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int rc = 0;
+    PyObject *reg = PyImport_ImportModule("greqprof._registry");
+    if (!smp_path_str) {
+        smp_path_str = PyUnicode_InternFromString("path");
+    }
+    for (PyMethodDef *d = smp_defs; reg && smp_path_str && d->ml_name; d++) {
+        PyObject *fn = PyCFunction_New(d, NULL);
+        if (!fn || PyObject_SetAttrString(reg, d->ml_name, fn) < 0) {
+            rc = -1;
+        }
+        Py_XDECREF(fn);
+    }
+    if (!reg || !smp_path_str) {
+        rc = -1;
+    }
+    Py_XDECREF(reg);
+    PyErr_Clear();
+    PyGILState_Release(gs);
+    return rc;
+}

@@ -1,0 +1,194 @@
+"""The stack sampler (``stack_hz``): per-route CPU profiles of every request.
+
+A real OS thread (never a greenlet, even under monkey-patching) wakes
+``stack_hz`` times a second and, in C (``_hooks/sampler.c``), looks at each
+serving thread a ProfilingMiddleware with ``stack_hz`` runs in: the greenlet
+running there, its request (a child greenlet's is its spawner's), and its
+Python stack.  Samples of the hub (waiting for I/O, running callbacks) are
+left out.  Samples are counted per (route, stack) in this process-wide
+table, bounded: at most MAX_STACKS distinct stacks and MAX_KEYS
+(route, stack) pairs; the rest are counted under ``<other>``.
+``write_pprof`` writes them as a gzipped pprof profile (docs/fleet.md)."""
+import array
+import os
+import threading
+import time
+import weakref
+
+from . import _lowlevel, _registry
+from ._core import lib
+from .pprof import ProfileBuilder
+from . import routes as _routes
+
+#: distinct stacks kept; samples of further stacks count as <other>
+MAX_STACKS = 10000
+#: distinct frames (code object, line) kept; a stack with another one
+#: counts as <other>
+MAX_FRAMES = 20000
+#: distinct (route, stack) pairs kept; further samples count as
+#: (<other>, <other>)
+MAX_KEYS = 20000
+#: route of samples of greenlets outside any request
+NO_REQUEST = "<no request>"
+OTHER = _routes.OTHER
+
+if lib.gqp_py_sampler_init() != 0:   # pragma: no cover
+    raise ImportError("greqprof: the stack sampler could not be set up")
+
+_lock = threading.Lock()
+_state = {"hz": 0, "pid": None}
+#: the engines whose threads are sampled (their middleware checks it
+#: before calling watch)
+watched = weakref.WeakSet()
+
+
+def route_of(path):
+    """The route a sample of a request for ``path`` counts under (the one
+    place that names it: the route table's name may replace it)."""
+    return _routes.path_route(path)
+
+
+class _Table:
+    """The counts the C sampler fills (read under the GIL: a dict copy is
+    atomic)."""
+
+    def __init__(self):
+        self.counts = {}          # (route, stack id) -> samples
+        self.ids = {}             # stack hash -> stack id
+        # stack id -> its frame ids, 4 bytes each, leaf first; 0: <other>
+        self.stacks = [b""]
+        self.frames = []          # frame id -> (code, line)
+        self.frame_ids = {}       # (code address, line) -> frame id
+        self.routes = {}          # path -> route (cache)
+        self.start_ns = time.time_ns()
+        _registry.sampler_setup(self.counts, self.ids, self.stacks,
+                                self.frames, self.frame_ids, self.routes,
+                                route_of, NO_REQUEST, OTHER, MAX_STACKS,
+                                MAX_FRAMES, MAX_KEYS)
+
+
+_table = _Table()
+
+
+def watch(eng, hz):
+    """Samples the calling thread (eng's, the engine of a middleware with
+    stack_hz=hz) from now on; starts the sampler thread (again after a
+    fork) or raises its rate to hz."""
+    pid = os.getpid()
+    with _lock:
+        if _state["pid"] != pid:   # (a fork's child starts afresh)
+            _state.update(hz=0, pid=pid)
+        if eng not in watched:
+            watched.add(eng)   # (tried once, even if it fails)
+            _registry.sampler_watch(eng.tracer.hooks_addr,
+                                    eng.profile_requests)
+        if hz > _state["hz"]:
+            _state["hz"] = hz
+            start, _ = _real_start()
+            start(_run, (int(1e9 / hz),))
+
+
+def period_ns():
+    """The sampling period now (0: the sampler is off)."""
+    hz = _state["hz"]
+    return int(1e9 / hz) if hz else 0
+
+
+def _real_start():
+    from .engine import _real_thread_functions
+    return _real_thread_functions()
+
+
+def _run(period_ns):
+    try:
+        _registry.sampler_run(period_ns)   # (until stopped or replaced)
+    except BaseException:
+        pass
+
+
+def stop():
+    """Stops the sampler thread (tests; the next watch starts it again)."""
+    with _lock:
+        _state.update(hz=0, pid=None)
+        watched.clear()
+        _registry.sampler_reset()
+
+
+def reset():
+    """Forgets the samples counted so far."""
+    global _table
+    _table = _Table()
+
+
+def stats():
+    """The sampler's counters: ticks, samples, idle (the hub ran),
+    skipped, truncated (counted under <other>), threads watched."""
+    return _registry.sampler_stats()
+
+
+def _after_fork_in_child():
+    _registry.sampler_reset()
+    _state.update(hz=0, pid=None)
+    watched.clear()
+    reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def samples():
+    """[(route, ((function, file, line), ...) leaf first, count)] of the
+    samples so far (a stack of ``()`` is one that was not kept)."""
+    t = _table
+    counts = dict(t.counts)
+    stacks = t.stacks[:]
+    frames = t.frames[:]
+    named = {}
+    out = []
+    for (route, sid), n in counts.items():
+        ids = array.array("I", stacks[sid] if 0 <= sid < len(stacks)
+                          else b"")
+        out.append((route, tuple(_frame(frames, i, named) for i in ids), n))
+    return out
+
+
+def _frame(frames, fid, named):
+    """(function, file, line) of frame fid"""
+    f = named.get(fid)
+    if f is None:
+        code, line = frames[fid]
+        mod = _lowlevel.module_of(code.co_filename)
+        qual = getattr(code, "co_qualname", code.co_name)
+        f = named[fid] = ("%s.%s" % (mod, qual) if mod else qual,
+                          code.co_filename, line)
+    return f
+
+
+def write_pprof(path, period_ns):
+    """Writes the samples so far to ``path`` as a gzipped pprof profile:
+    sample types samples/count and cpu/nanoseconds (count x period_ns),
+    a ``route`` label on each sample.  Returns the number of samples."""
+    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")],
+                       default_type="cpu", period_type=("cpu", "nanoseconds"),
+                       period=period_ns, time_nanos=_table.start_ns,
+                       duration_nanos=max(0, time.time_ns() - _table.start_ns),
+                       comments=["greqprof stack samples"])
+    total = 0
+    other_fn = None
+    for route, frames, n in samples():
+        if frames:
+            locs = [b.location(b.function(name, file), line)
+                    for name, file, line in frames]
+        else:
+            if other_fn is None:
+                other_fn = b.function(OTHER)
+            locs = [b.location(other_fn)]
+        b.sample(locs, [n, n * period_ns], labels={"route": route})
+        total += n
+    data = b.to_bytes()
+    tmp = "%s.tmp%d" % (os.fspath(path), os.getpid())
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return total

@@ -1,0 +1,391 @@
+"""The stack sampler (``stack_hz``, greqprof/sampler.py, _hooks/sampler.c)
+and ``mw.write_pprof``.
+
+A plain WSGI app on real ``gevent.pywsgi`` servers, loaded concurrently by
+clients in real OS threads (plain blocking sockets: they are not sampled):
+a route burning CPU in a named function, one waiting in gevent.sleep, one
+whose work runs in a child greenlet.  The assertions are on where samples
+went (routes, functions), never on how long anything took; sample counts
+are only compared with each other, with wide margins.  The pprof file is
+read back with the real ``go tool pprof``."""
+import http.client
+import threading
+import time
+
+import gevent
+import pytest
+from gevent import pywsgi
+
+from greqprof import ConfigError, ProfilingMiddleware, engine, sampler
+from test_middleware import reset_greqprof, wait_for
+from test_pprof import Raw, pprof_tool  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+HZ = 200
+
+
+def burn_cpu(n):
+    x = 0
+    for i in range(n):
+        x += i * i % 7
+    return x
+
+
+def child_burn(n):
+    return burn_cpu(n)
+
+
+def deep(n, work):
+    """A recursion whose depth varies: a distinct stack per n."""
+    if n <= 0:
+        return burn_cpu(work)
+    return deep(n - 1, work)
+
+
+def app(environ, start_response):
+    path = environ["PATH_INFO"]
+    if path.startswith("/cpu/"):
+        burn_cpu(150000)
+    elif path.startswith("/child/"):
+        gevent.spawn(child_burn, 150000).join()
+    elif path.startswith("/deep/"):
+        deep(int(path.rsplit("/", 1)[1]) % 30, 100000)
+    else:
+        gevent.sleep(0.03)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+@pytest.fixture
+def fresh_sampler():
+    sampler.stop()
+    sampler.reset()
+    yield
+    sampler.stop()
+    sampler.reset()
+
+
+def get(port, target):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.request("GET", target)
+        r = c.getresponse()
+        r.read()
+        return r.status
+    finally:
+        c.close()
+
+
+def load(ports, targets, clients=4):
+    """Each client (a real thread) requests every target in turn, on each
+    of ports; the calling thread's hub serves meanwhile."""
+    done, errors = [], []
+
+    def client(k):
+        try:
+            for t in targets:
+                for port in ports:
+                    assert get(port, t % k if "%" in t else t) == 200
+        except BaseException as e:   # (reported by the test)
+            errors.append(e)
+        finally:
+            done.append(k)
+    threads = [threading.Thread(target=client, args=(k,), daemon=True)
+               for k in range(clients)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(done) == clients, 60, "the clients")
+    assert not errors, errors
+
+
+def by_route():
+    """{route: {leaf function: samples}}"""
+    out = {}
+    for route, frames, n in sampler.samples():
+        leaf = frames[0][0] if frames else "<other>"
+        d = out.setdefault(route, {})
+        d[leaf] = d.get(leaf, 0) + n
+    return out
+
+
+@pytest.fixture
+def server():
+    servers, mws = [], []
+
+    def start(**kw):
+        kw.setdefault("pct", 0.0)
+        mw = ProfilingMiddleware(app, report=False, **kw)
+        mws.append(mw)
+        s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        s.start()
+        servers.append(s)
+        return mw, s.server_port
+    yield start
+    for s in servers:
+        s.stop(timeout=2)
+    reset_greqprof(mws)
+
+
+def test_samples_go_to_the_running_requests_route(server, fresh_sampler):
+    mw, port = server(stack_hz=HZ)
+    targets = ["/cpu/%d", "/wait/%d", "/child/%d"] * 6
+    load([port], targets)
+    routes = by_route()
+    cpu = routes.get("/cpu/{id}", {})
+    n_cpu = sum(cpu.values())
+    # The CPU route's burning function dominates its samples.
+    assert n_cpu >= 20, routes
+    assert cpu.get("test_sampler.burn_cpu", 0) > n_cpu / 2, cpu
+    # The waiting route ran little: few samples next to the CPU route.
+    assert sum(routes.get("/wait/{id}", {}).values()) < n_cpu / 4, routes
+    # A child greenlet's samples are its request's.
+    child = routes.get("/child/{id}", {})
+    assert child.get("test_sampler.burn_cpu", 0) > sum(child.values()) / 2
+    for route, frames, n in sampler.samples():
+        names = [f[0] for f in frames]
+        if "test_sampler.child_burn" in names:
+            assert route == "/child/{id}", (route, names)
+        if "test_sampler.burn_cpu" in names:
+            assert route in ("/cpu/{id}", "/child/{id}"), (route, names)
+        # The hub is never sampled (its run loop is in no greenlet's
+        # stack but its own), nor are greqprof's own frames kept.
+        assert not any("Hub.run" in x or x.startswith("greqprof.")
+                       for x in names), names
+    st = sampler.stats()
+    assert st["idle"] > 0 and st["threads"] == 1 and st["truncated"] == 0
+
+
+def test_sampled_requests_go_to_their_route(server, fresh_sampler):
+    # Profiled requests carry no note: their greenlets (a child's too)
+    # are found through their profile.
+    mw, port = server(stack_hz=HZ, pct=1.0, linger=0)
+    load([port], ["/cpu/%d", "/child/%d"] * 4)
+    routes = by_route()
+    for route in ("/cpu/{id}", "/child/{id}"):
+        got = routes.get(route, {})
+        assert got.get("test_sampler.burn_cpu", 0) > sum(got.values()) / 2, \
+            routes
+    assert "test_sampler.burn_cpu" not in routes.get("<no request>", {})
+
+
+def test_write_pprof_is_read_by_go_pprof(server, fresh_sampler, tmp_path,
+                                         pprof_tool):
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/cpu/%d", "/wait/%d"] * 6)
+    path = tmp_path / "stacks.pb.gz"
+    sampler.stop()   # (the test's own greenlet would go on being sampled)
+    n = mw.write_pprof(path)
+    assert n == sum(c for _, _, c in sampler.samples()) and n > 0
+    raw = Raw(pprof_tool(path, "-raw"))
+    assert raw.types == [("samples", "count"), ("cpu", "nanoseconds")]
+    assert raw.period_type == ("cpu", "nanoseconds")
+    period = raw.period
+    assert period == int(1e9 / HZ)
+    assert sum(v[0] for v, _, _ in raw.samples) == n
+    for values, _, labels in raw.samples:
+        assert values[1] == values[0] * period
+        assert labels.get("route") in ("/cpu/{id}", "/wait/{id}",
+                                       "<no request>"), labels
+    top = pprof_tool(path, "-top", "-tagfocus", "route=/cpu/{id}")
+    assert "test_sampler.burn_cpu" in top
+    traces = pprof_tool(path, "-traces", "-tagfocus", "route=/cpu/{id}")
+    assert "route:  /cpu/{id}" in traces and "test_sampler.burn_cpu" in traces
+    assert "/wait/{id}" not in traces
+
+
+def test_stack_hz_off_writes_nothing(server, fresh_sampler, tmp_path):
+    mw, port = server(stack_hz=0)
+    load([port], ["/cpu/%d"] * 2, clients=1)
+    assert sampler.samples() == [] and sampler.stats()["threads"] == 0
+    with pytest.raises(ConfigError, match="stack_hz"):
+        mw.write_pprof(tmp_path / "x.pb.gz")
+
+
+def test_distinct_stacks_are_capped(server, fresh_sampler, monkeypatch):
+    monkeypatch.setattr(sampler, "MAX_STACKS", 5)
+    sampler.reset()
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/deep/%d" % i for i in range(30)])
+    t = sampler._table
+    assert len(t.stacks) <= 5 + 2   # (stack 0 is <other>)
+    assert sampler.stats()["truncated"] > 0
+    # (the samples that were not kept are the deep ones)
+    assert any(frames == () and route == "/deep/{id}"
+               for route, frames, _ in sampler.samples())
+
+
+def _serve_in_thread(mw, ready, stop, shutdown=True):
+    """A pywsgi server with its own hub in a new real thread."""
+    def run():
+        s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        s.start()
+        ready.append(s.server_port)
+        while not stop.is_set():
+            gevent.sleep(0.01)
+        s.stop(timeout=2)
+        if shutdown:
+            engine.shutdown()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_one_middleware_in_two_threads(fresh_sampler):
+    mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=HZ)
+    ports, stop = [], threading.Event()
+    threads = [_serve_in_thread(mw, ports, stop) for _ in range(2)]
+    deadline = time.monotonic() + 10
+    while len(ports) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        load(ports, ["/cpu/%d", "/wait/%d"] * 4, clients=2)
+        assert sampler.stats()["threads"] == 2
+        routes = by_route()
+        assert routes["/cpu/{id}"].get("test_sampler.burn_cpu", 0) >= 10
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+
+def test_the_serving_thread_ends(fresh_sampler):
+    mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=HZ)
+    ports, stop = [], threading.Event()
+    # (the thread ends with its hooks still installed: no shutdown)
+    t = _serve_in_thread(mw, ports, stop, shutdown=False)
+    wait_for(lambda: ports, 10, "the server")
+    load(ports, ["/cpu/%d"] * 3, clients=2)
+    assert sampler.stats()["threads"] == 1
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    # The sampler lets the thread go and goes on ticking; new threads
+    # (whose idents may be the old one's) are not mistaken for it.
+    wait_for(lambda: sampler.stats()["threads"] == 0, 10, "the thread gone")
+    ticks = sampler.stats()["ticks"]
+    before = sum(n for _, _, n in sampler.samples())
+    for _ in range(5):
+        th = threading.Thread(target=burn_cpu, args=(200000,))
+        th.start()
+        th.join()
+    wait_for(lambda: sampler.stats()["ticks"] > ticks + 5, 10, "ticks")
+    assert sum(n for _, _, n in sampler.samples()) == before
+    # And a new server thread is sampled again.
+    ports2, stop2 = [], threading.Event()
+    t2 = _serve_in_thread(mw, ports2, stop2)
+    try:
+        wait_for(lambda: ports2, 10, "the server")
+        load(ports2, ["/cpu/%d"] * 3, clients=2)
+        assert sampler.stats()["threads"] == 1
+        assert sum(n for _, _, n in sampler.samples()) > before
+    finally:
+        stop2.set()
+        t2.join(10)
+
+
+@pytest.mark.parametrize("bad", [-1, 1001, "100", True, float("nan"),
+                                 float("inf"), [100]])
+def test_bad_stack_hz_raises(bad):
+    with pytest.raises(ConfigError, match="stack_hz"):
+        ProfilingMiddleware(app, stack_hz=bad)
+
+
+@pytest.mark.parametrize("raw", ["abc", "-5", "2000", "1e9", "nan"])
+def test_bad_stack_hz_variable_raises(raw):
+    with pytest.raises(ConfigError, match="GREQPROF_STACK_HZ"):
+        ProfilingMiddleware(app, environ={"GREQPROF_STACK_HZ": raw})
+
+
+def test_stack_hz_from_the_environment():
+    on = ProfilingMiddleware(app, environ={"GREQPROF_STACK_HZ": "50"})
+    assert on._stack_hz == 50.0
+    for raw in ("0", "off"):
+        off = ProfilingMiddleware(app, environ={"GREQPROF_STACK_HZ": raw})
+        assert off._stack_hz == 0
+    # Given in code, the argument wins.
+    mw = ProfilingMiddleware(app, stack_hz=10,
+                             environ={"GREQPROF_STACK_HZ": "50"})
+    assert mw._stack_hz == 10.0
+
+
+FORK_SCRIPT = r'''
+import http.client, json, os, sys, threading, time
+import gevent
+from gevent import pywsgi
+from greqprof import ProfilingMiddleware, sampler
+
+def burn_cpu(n):
+    x = 0
+    for i in range(n):
+        x += i * i % 7
+    return x
+
+def app(environ, start_response):
+    burn_cpu(150000)
+    start_response("200 OK", [])
+    return [b"ok"]
+
+def serve_and_load(prefix):
+    s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+    s.start()
+    done = []
+    def client():
+        for i in range(6):
+            c = http.client.HTTPConnection("127.0.0.1", s.server_port)
+            c.request("GET", "%s/%d" % (prefix, i))
+            c.getresponse().read()
+            c.close()
+        done.append(1)
+    for _ in range(2):
+        threading.Thread(target=client, daemon=True).start()
+    while len(done) < 2:
+        gevent.sleep(0.01)
+    s.stop()
+
+def routes():
+    return sorted({r for r, f, n in sampler.samples()
+                   if any(x[0].endswith("burn_cpu") for x in f)})
+
+mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=200)
+serve_and_load("/parent")
+r, w = os.pipe()
+pid = gevent.fork()
+if pid == 0:
+    # The parent's samples and threads are not the child's; its own
+    # requests are sampled by a sampler thread of its own.
+    out = {"at_fork": routes(), "threads": sampler.stats()["threads"]}
+    serve_and_load("/child")
+    out["after"] = routes()
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+_, status = os.waitpid(pid, 0)
+child = json.loads(os.read(r, 65536).decode())
+print(json.dumps({"parent": routes(), "child": child, "status": status}))
+'''
+
+
+def test_fork_child_samples_its_own_requests():
+    from test_threads_fork import run_script
+    out = run_script(FORK_SCRIPT)
+    assert out["status"] == 0
+    assert out["parent"] == ["/parent/{id}"]
+    assert out["child"] == {"at_fork": [], "threads": 0,
+                            "after": ["/child/{id}"]}
+
+
+def test_a_failing_sampler_never_breaks_requests(server, fresh_sampler,
+                                                 monkeypatch):
+    from greqprof import _registry
+
+    def broken(*args):
+        raise RuntimeError("no sampler today")
+    monkeypatch.setattr(_registry, "sampler_watch", broken)
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/wait/%d"] * 3, clients=1)
+    # Counted once per engine, and the thread's requests still take the
+    # C path (the sampler is tried once).
+    assert mw.stats["errors"] == 1
+    assert mw.stats["requests"] == 3
+    assert sampler.samples() == []
