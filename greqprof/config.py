@@ -357,6 +357,8 @@ VARIABLES = {
         0.0, 86400.0, unit="seconds"), 10.0),
     "GREQPROF_JSON_MAX_BYTES": ("json_max_bytes", _Number(
         1024, 2 ** 30, integer=True, unit="bytes"), 65536),
+    "GREQPROF_MAX_ROUTES": ("max_routes", _Number(
+        1, 100000, integer=True), 500),
 }
 
 #: option -> spec of the options that only code sets
@@ -379,6 +381,7 @@ OPTIONS = {
     "sink": _Callable("a callable or None"),
     "rng": _Callable("a callable returning floats in [0, 1), or None"),
     "seed": _Seed(),
+    "route": _Callable("a callable environ -> str, or None"),
 }
 OPTIONS.update({opt: spec for opt, spec, _ in VARIABLES.values()})
 

@@ -6,7 +6,7 @@ import os
 import random
 import socket
 
-from . import _collect, _registry, blocking, logs, loops, policy
+from . import _collect, _registry, blocking, logs, loops, policy, routes
 from ._lowlevel import RequestRawProfile
 from . import engine as _engine
 from .engine import engine_for_thread
@@ -86,6 +86,13 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     :param profile_dir: write every profile to this directory, one file
         per format in ``formats`` (default ``["json"]``; any renderer name,
         see docs/viewing.md), named ``<UTC time>-<pid>-<path>-<n>.<ext>``.
+    :param route: a callable ``environ -> str`` naming a request's route
+        when the framework gave no template (Flask's is read by itself;
+        Django: ``greqprof.routes.DjangoRouteMiddleware``) and
+        ``greqprof.set_route`` was not called; None (default): the path,
+        id-like segments replaced by ``{id}``.
+    :param max_routes: routes kept by :meth:`routes` (default 500); the
+        requests of further routes are counted under ``"<other>"``.
     :param ui_path: serve the development inspector under this path (e.g.
         ``"/_greqprof"``); requests there go to it instead of the app.
         Off unless set.  Only loopback clients may use it unless
@@ -105,7 +112,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
                  otel_spans=UNSET, observers=(), environ=None,
                  max_lifetime=60.0, blocking_interval=UNSET,
-                 json_max_bytes=UNSET):
+                 json_max_bytes=UNSET, route=None, max_routes=UNSET):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -118,7 +125,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             linger=linger, profile_dir=profile_dir, formats=formats,
             otel=otel, otel_spans=otel_spans,
             blocking_interval=blocking_interval,
-            json_max_bytes=json_max_bytes), environ)
+            json_max_bytes=json_max_bytes, max_routes=max_routes), environ)
         self.enabled = opts["enabled"]
         pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
         blocking_ms, logger = opts["blocking_ms"], opts["logger"]
@@ -185,6 +192,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._finalize_setup(RequestProfile, _collect.request_records,
                                  cfg.clock, self.hostname)
             self._lifecycle_setup(bool(self.observers))
+            # -- per-route aggregates of every request (docs/fleet.md) -------
+            config.check("route", route)
+            self._routes = routes.RouteAggregates(
+                _registry.RouteCounts, config.check(
+                    "max_routes", opts["max_routes"]), route)
+            # (Flask's matched url_rule names its requests when Flask is
+            # imported by then, as with app.wsgi_app = ...(app.wsgi_app))
+            routes.install_flask_hook()
+            self._routes_setup(self._routes.counts)
 
         try:
             configure()
@@ -467,6 +483,28 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         """(the C lifecycle calls it) Reports this thread's queued long
         spans: blocking.drain."""
         blocking.drain(self, eng)
+
+    def routes(self):
+        """Per-route aggregates of every request since the middleware
+        started, most requests first: plain dicts with ``route``,
+        ``requests``, ``errors`` (5xx or an exception), ``status`` (per
+        class), ``sampled``, ``wall_mean``, ``wall_max``, ``wall_p50``,
+        ``wall_p95``, ``wall_p99`` (seconds; quantiles within 4.4 %),
+        ``cpu``, ``waiting`` (seconds per request, estimated from the
+        sampled requests; None until one was), ``cpu_total``,
+        ``blocking``, ``blocked`` (docs/fleet.md)."""
+        return self._routes.to_records()
+
+    def _route_sampled(self, route, profile):
+        """(C calls it) A delivered sampled profile of ``route``."""
+        try:
+            w = profile.waiting
+            self._routes.add_sampled(
+                route, profile.cpu, w.seconds if w is not None else None,
+                len(profile.blocking),
+                sum(ev.wall for ev in profile.blocking))
+        except Exception as e:
+            self._internal_error("routes", e)
 
     def _deliver(self, profile):
         if self.report:
