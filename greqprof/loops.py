@@ -50,7 +50,8 @@ def _wake_finisher(eng):
 
 def drain_loop(mw, eng):
     """Reports blocking spans of greenlets outside requests, once a
-    second (requests drain at their end)."""
+    second (requests drain at their end), and the routes summary line
+    when it is due."""
     import gevent
     while not eng.abandoned:
         # (ref=False: this timer alone does not keep the loop running;
@@ -61,6 +62,7 @@ def drain_loop(mw, eng):
             blocking.drain(mw, eng)
             for m in list(eng.middlewares) or [mw]:
                 blocking.log_summaries(m)
+                m._routes_tick()
         except Exception as e:
             mw._internal_error("drain", e)
 

@@ -5,6 +5,7 @@ import math
 import os
 import random
 import socket
+from time import monotonic as _monotonic
 
 from . import _collect, _registry, blocking, logs, loops, policy, routes
 from ._lowlevel import RequestRawProfile
@@ -93,6 +94,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         id-like segments replaced by ``{id}``.
     :param max_routes: routes kept by :meth:`routes` (default 500); the
         requests of further routes are counted under ``"<other>"``.
+    :param summary_s: every this many seconds, when requests ran, log
+        one INFO line with the top routes by total CPU and by p99 (default
+        60; None: off).
     :param ui_path: serve the development inspector under this path (e.g.
         ``"/_greqprof"``); requests there go to it instead of the app.
         Off unless set.  Only loopback clients may use it unless
@@ -112,7 +116,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
                  otel_spans=UNSET, observers=(), environ=None,
                  max_lifetime=60.0, blocking_interval=UNSET,
-                 json_max_bytes=UNSET, route=None, max_routes=UNSET):
+                 json_max_bytes=UNSET, route=None, max_routes=UNSET,
+                 summary_s=UNSET):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -125,7 +130,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             linger=linger, profile_dir=profile_dir, formats=formats,
             otel=otel, otel_spans=otel_spans,
             blocking_interval=blocking_interval,
-            json_max_bytes=json_max_bytes, max_routes=max_routes), environ)
+            json_max_bytes=json_max_bytes, max_routes=max_routes,
+            summary_s=summary_s), environ)
         self.enabled = opts["enabled"]
         pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
         blocking_ms, logger = opts["blocking_ms"], opts["logger"]
@@ -201,6 +207,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # imported by then, as with app.wsgi_app = ...(app.wsgi_app))
             routes.install_flask_hook()
             self._routes_setup(self._routes.counts)
+            self.summary_s = config.check("summary_s", opts["summary_s"])
+            self._summary_next = _monotonic() + (self.summary_s or 0)
+            self._summary_seen = 0
 
         try:
             configure()
@@ -447,7 +456,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if self._engine is not eng:
             eng.middlewares.add(self)
             self._engine = eng
-        if self.config.blocking_ns and not eng.drain_started:
+        if (self.config.blocking_ns or self.summary_s) and \
+                not eng.drain_started:
             loops.start_drain_loop(self, eng)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
@@ -494,6 +504,27 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         sampled requests; None until one was), ``cpu_total``,
         ``blocking``, ``blocked`` (docs/fleet.md)."""
         return self._routes.to_records()
+
+    def _routes_tick(self, now=None):
+        """(the drain loop calls it once a second) Logs the routes summary
+        when summary_s has passed and requests ran since the last one."""
+        if not self.summary_s:
+            return
+        now = _monotonic() if now is None else now
+        if now < self._summary_next:
+            return
+        self._summary_next = now + self.summary_s
+        records = self._routes.to_records()
+        total = sum(r["requests"] for r in records)
+        if total == self._summary_seen:
+            return
+        ran, self._summary_seen = total - self._summary_seen, total
+        log = self.log
+        logs.ensure_visible(log)
+        if not (log.isEnabledFor(logging.INFO) and logs.would_emit(log)):
+            return
+        log.info(routes.summary_line(records, ran, self.summary_s,
+                                     self.pid, self.json_logs))
 
     def _route_sampled(self, route, profile):
         """(C calls it) A delivered sampled profile of ``route``."""

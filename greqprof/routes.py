@@ -568,3 +568,41 @@ class RouteAggregates:
             records.append(rec)
         records.sort(key=lambda r: (-r["requests"], r["route"]))
         return records
+
+
+#: routes named in each list of the summary line
+SUMMARY_TOP = 5
+
+
+def summary_line(records, ran, period, pid=0, as_json=False):
+    """The periodic summary of ``records`` (to_records()): ``ran``
+    requests in the last ``period`` seconds, the top routes by total CPU
+    (estimated from the sampled requests) and by p99 wall time, both since
+    start.  Text, or one JSON object (``schema`` "greqprof.routes/1")."""
+    by_cpu = sorted((r for r in records if r["cpu_total"] is not None),
+                    key=lambda r: -r["cpu_total"])[:SUMMARY_TOP]
+    by_p99 = sorted((r for r in records if r["wall_p99"] is not None),
+                    key=lambda r: -r["wall_p99"])[:SUMMARY_TOP]
+    if as_json:
+        import json
+        return json.dumps({
+            "schema": "greqprof.routes/1", "pid": pid, "period_s": period,
+            "requests_in_period": ran,
+            "requests": sum(r["requests"] for r in records),
+            "routes": len(records),
+            "top_cpu": [{k: r[k] for k in ("route", "cpu_total", "cpu",
+                                           "sampled", "requests")}
+                        for r in by_cpu],
+            "top_p99": [{k: r[k] for k in ("route", "wall_p99", "requests",
+                                           "errors")} for r in by_p99]},
+            ensure_ascii=False, allow_nan=False)
+    cpu = ", ".join("%s %.3f s (%.2f ms x %d, %d sampled)" % (
+        r["route"], r["cpu_total"], r["cpu"] * 1e3, r["requests"],
+        r["sampled"]) for r in by_cpu) or "none sampled yet"
+    p99 = ", ".join("%s %.1f ms (%d requests)" % (
+        r["route"], r["wall_p99"] * 1e3, r["requests"]) for r in by_p99)
+    return ("greqprof routes [pid %d]: %d requests in the last %g s, %d "
+            "since start over %d routes; top total CPU since start "
+            "(estimated): %s; top p99: %s" % (
+                pid, ran, period, sum(r["requests"] for r in records),
+                len(records), cpu, p99))
