@@ -101,6 +101,8 @@ READ = {
     "GREQPROF_BLOCKING_INTERVAL": (
         lambda mw: mw._blocking_sites.interval, 10.0),
     "GREQPROF_JSON_MAX_BYTES": (lambda mw: mw.json_max_bytes, 65536),
+    "GREQPROF_MAX_ROUTES": (lambda mw: mw._routes.max_routes, 500),
+    "GREQPROF_SUMMARY_S": (lambda mw: mw.summary_s, 60.0),
 }
 
 SECRET = "s3cret-value-42"
@@ -154,6 +156,10 @@ VALID = [
     ("GREQPROF_BLOCKING_INTERVAL", "0", {}, 0.0),
     ("GREQPROF_BLOCKING_INTERVAL", " 2.5 ", {}, 2.5),
     ("GREQPROF_JSON_MAX_BYTES", "16000", {}, 16000),
+    ("GREQPROF_MAX_ROUTES", "20", {}, 20),
+    ("GREQPROF_SUMMARY_S", "300", {}, 300.0),
+    ("GREQPROF_SUMMARY_S", "off", {}, None),
+    ("GREQPROF_SUMMARY_S", "0", {}, None),
 ]
 
 HAVE_OTEL = True
@@ -226,6 +232,8 @@ INVALID = [
     ("GREQPROF_BLOCKING_INTERVAL", "-1"), ("GREQPROF_BLOCKING_INTERVAL", "x"),
     ("GREQPROF_BLOCKING_INTERVAL", "nan"),
     ("GREQPROF_JSON_MAX_BYTES", "100"), ("GREQPROF_JSON_MAX_BYTES", "64k"),
+    ("GREQPROF_MAX_ROUTES", "0"), ("GREQPROF_MAX_ROUTES", "1e9"),
+    ("GREQPROF_SUMMARY_S", "0.01"), ("GREQPROF_SUMMARY_S", "1m"),
 ]
 
 @pytest.mark.parametrize("var,raw", INVALID,
