@@ -33,6 +33,7 @@ typedef struct {
     PyObject *named;      /* set_route's: greenlet -> name */
     PyObject *namer;      /* environ -> route name (Python) */
     PyObject *getcurrent;
+    PyObject *metrics_path, *metrics_app;   /* metrics_path, or NULL */
     rt_cell *cells;       /* cells[0] is "<other>" */
     Py_ssize_t ncells, cap, max_routes;
     uint64_t overflowed, namer_errors;
@@ -243,6 +244,8 @@ static int rt_traverse(gqp_rt *rt, visitproc visit, void *arg)
     Py_VISIT(rt->named);
     Py_VISIT(rt->namer);
     Py_VISIT(rt->getcurrent);
+    Py_VISIT(rt->metrics_path);
+    Py_VISIT(rt->metrics_app);
     return 0;
 }
 
@@ -253,6 +256,8 @@ static int rt_clear(gqp_rt *rt)
     Py_CLEAR(rt->named);
     Py_CLEAR(rt->namer);
     Py_CLEAR(rt->getcurrent);
+    Py_CLEAR(rt->metrics_path);
+    Py_CLEAR(rt->metrics_app);
     return 0;
 }
 
@@ -318,6 +323,23 @@ static PyObject *rt_record_py(gqp_rt *rt, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* set_metrics(path, app): requests whose PATH_INFO is path go to app,
+ * not counted (the metrics page, greqprof/metrics.py). */
+static PyObject *rt_set_metrics(gqp_rt *rt, PyObject *args)
+{
+    PyObject *path, *app;
+    if (!PyArg_ParseTuple(args, "UO", &path, &app)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(app)) {
+        PyErr_SetString(PyExc_TypeError, "set_metrics: app is not callable");
+        return NULL;
+    }
+    Py_XSETREF(rt->metrics_path, Py_NewRef(path));
+    Py_XSETREF(rt->metrics_app, Py_NewRef(app));
+    Py_RETURN_NONE;
+}
+
 static PyObject *rt_get_overflowed(gqp_rt *rt, void *c)
 {
     (void)c;
@@ -334,6 +356,8 @@ static PyMethodDef rt_methods[] = {
     {"snapshot", (PyCFunction)rt_snapshot, METH_NOARGS,
      "[(route, requests, errors, status classes, histogram, total, min, "
      "max)]."},
+    {"set_metrics", (PyCFunction)rt_set_metrics, METH_VARARGS,
+     "set_metrics(path, app): serves that path with app, uncounted."},
     {"record", (PyCFunction)rt_record_py, METH_VARARGS,
      "record(route, status, error, wall): counts one request."},
     {NULL, NULL, 0, NULL},
@@ -572,6 +596,18 @@ static PyTypeObject gqp_rtw_seq_type = {
 static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
                              PyObject *start_response)
 {
+    gqp_rt *rt = (gqp_rt *)mw->routes;
+    if (rt->metrics_app) {
+        PyObject *p = PyDict_GetItemWithError(environ, str_path_key);
+        if (p && PyUnicode_Check(p) &&
+            PyUnicode_Compare(p, rt->metrics_path) == 0) {
+            PyObject *app = Py_NewRef(rt->metrics_app);
+            PyObject *r = call2(app, environ, start_response);
+            Py_DECREF(app);
+            return r;
+        }
+        PyErr_Clear();
+    }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
     if (!w) {
         return NULL;

@@ -359,6 +359,11 @@ VARIABLES = {
         1024, 2 ** 30, integer=True, unit="bytes"), 65536),
     "GREQPROF_MAX_ROUTES": ("max_routes", _Number(
         1, 100000, integer=True), 500),
+    "GREQPROF_METRICS_PATH": ("metrics_path", _Text(
+        "a path like '/_greqprof/metrics' (printable ASCII, no ?, # or %, "
+        "no . or .. segment, up to 200)", 200,
+        pattern=r"(?!.*/\.\.?(?:/|\Z))/[!$&'()*+,;=:@/.~\w-]*[^/]",
+        ascii=True, optional=True), None),
     "GREQPROF_SUMMARY_S": ("summary_s", _Number(
         0.1, 86400.0, off=True, zero_off=True, unit="seconds"), 60.0),
 }

@@ -97,6 +97,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     :param summary_s: every this many seconds, when requests ran, log
         one INFO line with the top routes by total CPU and by p99 (default
         60; None: off).
+    :param metrics_path: serve Prometheus metrics of the routes under
+        this path (e.g. ``"/_greqprof/metrics"``; off unless set; needs
+        ``greqprof[prometheus]``), with the inspector's access rules
+        (``ui_allow``, ``ui_token``, ``ui_hosts``; loopback only without
+        them); docs/fleet.md.
     :param ui_path: serve the development inspector under this path (e.g.
         ``"/_greqprof"``); requests there go to it instead of the app.
         Off unless set.  Only loopback clients may use it unless
@@ -117,7 +122,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  otel_spans=UNSET, observers=(), environ=None,
                  max_lifetime=60.0, blocking_interval=UNSET,
                  json_max_bytes=UNSET, route=None, max_routes=UNSET,
-                 summary_s=UNSET):
+                 summary_s=UNSET, metrics_path=UNSET):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -131,7 +136,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             otel=otel, otel_spans=otel_spans,
             blocking_interval=blocking_interval,
             json_max_bytes=json_max_bytes, max_routes=max_routes,
-            summary_s=summary_s), environ)
+            summary_s=summary_s, metrics_path=metrics_path), environ)
         self.enabled = opts["enabled"]
         pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
         blocking_ms, logger = opts["blocking_ms"], opts["logger"]
@@ -181,10 +186,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                           "blocking_not_logged": 0}
             # -- profile files and the dev inspector (docs/viewing.md) --------
             from .inspector import ProfileOutputs
+            metrics_path = config.check("metrics_path",
+                                        opts["metrics_path"])
+            # (the access options serve the metrics page without ui_path)
+            ui = ui_path is not None or metrics_path is None
             self._outputs = ProfileOutputs.create(
                 self.config.calls, profile_dir=profile_dir, formats=formats,
-                ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
-                ui_keep=ui_keep, ui_hosts=ui_hosts)
+                ui_path=ui_path, ui_allow=ui_allow if ui else None,
+                ui_token=ui_token if ui else None,
+                ui_keep=ui_keep, ui_hosts=ui_hosts if ui else None)
             self.inspector = self._outputs.ui if self._outputs else None
             # The C part runs unsampled requests (_fastpath.c) and the
             # common sampled ones (_sampled.c) by itself; the rest comes
@@ -207,6 +217,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # imported by then, as with app.wsgi_app = ...(app.wsgi_app))
             routes.install_flask_hook()
             self._routes_setup(self._routes.counts)
+            self.metrics = None
+            if metrics_path is not None:
+                from .inspector import Inspector
+                from .metrics import Metrics
+                gate = Inspector(metrics_path, ui_allow=ui_allow,
+                                 ui_token=ui_token, ui_keep=1,
+                                 ui_hosts=ui_hosts)
+                self.metrics = Metrics(self._routes, gate.allowed)
+                self._routes.counts.set_metrics(gate.path, self.metrics)
             self.summary_s = config.check("summary_s", opts["summary_s"])
             self._summary_next = _monotonic() + (self.summary_s or 0)
             self._summary_seen = 0
@@ -456,8 +475,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if self._engine is not eng:
             eng.middlewares.add(self)
             self._engine = eng
-        if (self.config.blocking_ns or self.summary_s) and \
-                not eng.drain_started:
+        if (self.config.blocking_ns or self.summary_s or self.metrics) \
+                and not eng.drain_started:
             loops.start_drain_loop(self, eng)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
@@ -508,6 +527,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def _routes_tick(self, now=None):
         """(the drain loop calls it once a second) Logs the routes summary
         when summary_s has passed and requests ran since the last one."""
+        if self.metrics is not None:
+            try:
+                self.metrics.sync()
+            except Exception as e:
+                self._internal_error("metrics", e)
         if not self.summary_s:
             return
         now = _monotonic() if now is None else now

@@ -527,10 +527,7 @@ class RouteAggregates:
             self.blocking += 1
             self.blocked += seconds
 
-    def to_records(self):
-        """One plain dict per route (RouteTable.to_records' keys, plus
-        ``status``: requests per status class, "2xx".."5xx", "other"),
-        most requests first."""
+    def _merged(self):
         merged = {}
         for route, req, err, classes, hist, total, lo, hi in \
                 self.counts.snapshot():
@@ -544,7 +541,8 @@ class RouteAggregates:
             st.status = [a + b for a, b in zip(st.status, classes)]
             w = st.wall
             for i, c in enumerate(array("Q", hist)):
-                w.counts[i] += c
+                if c:
+                    w.counts[i] += c
             w.n += req
             w.total += total
             if req:
@@ -560,14 +558,32 @@ class RouteAggregates:
             for k in ("sampled", "cpu_sum", "cpu_n", "waiting_sum",
                       "waiting_n", "blocking", "blocked"):
                 setattr(st, k, getattr(st, k) + getattr(ex, k))
-        records = []
-        for st in merged.values():
-            rec = st.to_record()
-            rec["status"] = dict(zip(("1xx", "2xx", "3xx", "4xx", "5xx",
-                                      "other"), st.status))
-            records.append(rec)
+        return merged
+
+    @staticmethod
+    def _record(st):
+        rec = st.to_record()
+        rec["status"] = dict(zip(("1xx", "2xx", "3xx", "4xx", "5xx",
+                                  "other"), st.status))
+        return rec
+
+    def to_records(self):
+        """One plain dict per route (RouteTable.to_records' keys, plus
+        ``status``: requests per status class, "1xx".."5xx", "other"),
+        most requests first."""
+        records = [self._record(st) for st in self._merged().values()]
         records.sort(key=lambda r: (-r["requests"], r["route"]))
         return records
+
+    def records_and_histograms(self):
+        """[(record with ``cpu_sum`` and ``cpu_n`` besides, the wall
+        histogram's counts)] (for greqprof/metrics.py)."""
+        out = []
+        for st in self._merged().values():
+            rec = self._record(st)
+            rec["cpu_sum"], rec["cpu_n"] = st.cpu_sum, st.cpu_n
+            out.append((rec, st.wall.counts))
+        return out
 
 
 #: routes named in each list of the summary line

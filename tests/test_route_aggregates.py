@@ -270,3 +270,46 @@ def test_set_route_bounds_what_no_request_takes():
         gevent.spawn(greqprof.set_route, "x").get()
     assert len(routes._named) <= routes._MAX_NAMED
     routes._named.clear()
+
+
+# ---------------------------------------------------------------------------
+# Prometheus (the real server scraping gunicorn: test_prometheus.py)
+
+def test_metrics_page_in_one_process(serve):
+    pytest.importorskip("prometheus_client")   # (extra: greqprof[prometheus])
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0,
+              metrics_path="/_greqprof/metrics")
+    for i in range(3):
+        s.get("/items/%d" % i)
+    s.get("/unavail")
+    wait_for(lambda: by_route(s.mw).get("/items/{id}", {}).get("sampled")
+             == 3, what="3 sampled")
+    resp = s.get("/_greqprof/metrics")
+    assert resp.status == 200
+    text = resp.body.decode()
+    assert 'greqprof_requests_total{route="/items/{id}",status="2xx"} 3.0' \
+        in text
+    assert 'greqprof_requests_total{route="/unavail",status="5xx"} 1.0' \
+        in text
+    assert 'greqprof_request_duration_seconds_count{route="/items/{id}"} ' \
+        '3.0' in text
+    assert 'greqprof_request_duration_seconds_bucket{le="+Inf",' \
+        'route="/items/{id}"} 3.0' in text
+    assert 'greqprof_request_cpu_seconds_count{route="/items/{id}"} 3.0' \
+        in text
+    # the page itself is not a route; a second scrape adds nothing twice
+    assert s.get("/_greqprof/metrics").body.decode().count(
+        'status="2xx"} 3.0') == 1
+    assert "/_greqprof/metrics" not in counts(s.mw)
+    # the inspector's access rules: loopback only by default
+    resp = s.get("/_greqprof/metrics", headers=[("Host", "evil.example")])
+    assert resp.status == 403
+
+
+def test_metrics_path_needs_prometheus_client(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(greqprof.ConfigError, match="greqprof.prometheus"):
+        ProfilingMiddleware(app_of_paths, metrics_path="/_m")
+    with pytest.raises(greqprof.ConfigError, match="metrics_path"):
+        ProfilingMiddleware(app_of_paths, metrics_path="metrics")
