@@ -217,6 +217,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # imported by then, as with app.wsgi_app = ...(app.wsgi_app))
             routes.install_flask_hook()
             self._routes_setup(self._routes.counts)
+            if self.inspector is not None:
+                self.inspector.routes = self._routes
             self.metrics = None
             if metrics_path is not None:
                 from .inspector import Inspector
@@ -320,6 +322,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if req is None:
             return self.app(environ, start_response)
         if req is _INSPECTOR:
+            try:
+                environ["greqprof.no_route"] = True   # (nor counted)
+            except Exception:
+                pass
             return self.inspector(environ, start_response)  # not profiled
         return self._call_profiled(req, environ, start_response)
 
@@ -553,6 +559,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def _route_sampled(self, route, profile):
         """(C calls it) A delivered sampled profile of ``route``."""
         try:
+            # (the inspector lists a route's profiles by it)
+            profile.route = routes._name(route)
             w = profile.waiting
             self._routes.add_sampled(
                 route, profile.cpu, w.seconds if w is not None else None,

@@ -313,3 +313,28 @@ def test_metrics_path_needs_prometheus_client(monkeypatch):
         ProfilingMiddleware(app_of_paths, metrics_path="/_m")
     with pytest.raises(greqprof.ConfigError, match="metrics_path"):
         ProfilingMiddleware(app_of_paths, metrics_path="metrics")
+
+
+# ---------------------------------------------------------------------------
+# the inspector's Routes page
+
+def test_routes_page_sorts_and_links_to_the_routes_profiles(serve):
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0,
+              ui_path="/_greqprof")
+    for i in range(3):
+        s.get("/items/%d" % i)
+    s.get("/sleep")
+    wait_for(lambda: sum(r["sampled"] for r in s.mw.routes()) == 4,
+             what="4 sampled")
+    page = s.get("/_greqprof/routes?sort=p99").body.decode()
+    assert page.index("/sleep") < page.index("/items/{id}")   # (p99)
+    page = s.get("/_greqprof/routes?sort=requests").body.decode()
+    assert page.index("/items/{id}") < page.index("/sleep")
+    assert "/_greqprof/?route=%2Fitems%2F%7Bid%7D" in page
+    assert "/_greqprof/routes" not in counts(s.mw)   # (not a route)
+    listed = s.get("/_greqprof/?route=%2Fitems%2F%7Bid%7D").body.decode()
+    assert listed.count('class="gq-profile-row') == 3
+    assert "route: /items/{id}" in listed
+    assert s.get("/_greqprof/routes?sort=nonsense").status == 200
+    assert s.get("/_greqprof/routes",
+                 headers=[("Host", "evil.example")]).status == 403
