@@ -220,6 +220,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             if self.inspector is not None:
                 self.inspector.routes = self._routes
             self.metrics = None
+            self.metrics_path = metrics_path
             if metrics_path is not None:
                 from .inspector import Inspector
                 from .metrics import Metrics

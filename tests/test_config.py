@@ -103,6 +103,7 @@ READ = {
     "GREQPROF_JSON_MAX_BYTES": (lambda mw: mw.json_max_bytes, 65536),
     "GREQPROF_MAX_ROUTES": (lambda mw: mw._routes.max_routes, 500),
     "GREQPROF_SUMMARY_S": (lambda mw: mw.summary_s, 60.0),
+    "GREQPROF_METRICS_PATH": (lambda mw: mw.metrics_path, None),
 }
 
 SECRET = "s3cret-value-42"
@@ -160,6 +161,8 @@ VALID = [
     ("GREQPROF_SUMMARY_S", "300", {}, 300.0),
     ("GREQPROF_SUMMARY_S", "off", {}, None),
     ("GREQPROF_SUMMARY_S", "0", {}, None),
+    ("GREQPROF_METRICS_PATH", "/_greqprof/metrics", {},
+     "/_greqprof/metrics"),
 ]
 
 HAVE_OTEL = True
@@ -234,6 +237,8 @@ INVALID = [
     ("GREQPROF_JSON_MAX_BYTES", "100"), ("GREQPROF_JSON_MAX_BYTES", "64k"),
     ("GREQPROF_MAX_ROUTES", "0"), ("GREQPROF_MAX_ROUTES", "1e9"),
     ("GREQPROF_SUMMARY_S", "0.01"), ("GREQPROF_SUMMARY_S", "1m"),
+    ("GREQPROF_METRICS_PATH", "metrics"),
+    ("GREQPROF_METRICS_PATH", "/a/../metrics"),
 ]
 
 @pytest.mark.parametrize("var,raw", INVALID,
