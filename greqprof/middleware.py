@@ -566,7 +566,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._routes.add_sampled(
                 route, profile.cpu, w.seconds if w is not None else None,
                 len(profile.blocking),
-                sum(ev.wall for ev in profile.blocking))
+                sum(ev.wall for ev in profile.blocking),
+                [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
+                  w.seconds) for w in profile.waits])
         except Exception as e:
             self._internal_error("routes", e)
 

@@ -454,6 +454,11 @@ class RouteTable:
         return records
 
 
+#: wait sites kept per route (the smallest give way), and shown
+MAX_WAIT_SITES = 50
+TOP_WAIT_SITES = 5
+
+
 class RouteAggregates:
     """A middleware's per-route aggregates since it started: ``counts``
     (a ``RouteCounts`` in C: every request's status, error and wall time,
@@ -471,6 +476,7 @@ class RouteAggregates:
         self.counts = counts_type(max_routes, self._name_environ, _named,
                                   getcurrent, route is None)
         self._extra = {}   # route -> RouteStats (sampled part, blocking)
+        self._waits = {}   # route -> {wait site: seconds}, sampled
         self._lock = threading.Lock()
         #: blocking events and their seconds, all requests and none
         self.blocking = 0
@@ -494,11 +500,22 @@ class RouteAggregates:
                 st = self._extra[route] = RouteStats(route)
         return st
 
-    def add_sampled(self, route, cpu, waiting, blocking=0, blocked=0.0):
-        """A sampled request of ``route`` (its raw name) was delivered."""
+    def add_sampled(self, route, cpu, waiting, blocking=0, blocked=0.0,
+                    waits=()):
+        """A sampled request of ``route`` (its raw name) was delivered;
+        ``waits``: its (site, seconds) pairs."""
         route = _name(route) or OTHER
         with self._lock:
             st = self._stats(route)
+            if waits:
+                sites = self._waits.setdefault(st.route, {})
+                for site, seconds in waits:
+                    if site not in sites and len(sites) >= MAX_WAIT_SITES:
+                        low = min(sites, key=sites.get)
+                        if sites[low] >= seconds:
+                            continue
+                        del sites[low]   # (the smallest makes room)
+                    sites[site] = sites.get(site, 0.0) + seconds
             st.sampled += 1
             if cpu is not None:
                 st.cpu_sum += cpu
@@ -560,17 +577,25 @@ class RouteAggregates:
                 setattr(st, k, getattr(st, k) + getattr(ex, k))
         return merged
 
-    @staticmethod
-    def _record(st):
+    def _record(self, st):
         rec = st.to_record()
         rec["status"] = dict(zip(("1xx", "2xx", "3xx", "4xx", "5xx",
                                   "other"), st.status))
+        with self._lock:
+            sites = dict(self._waits.get(st.route, ()))
+        top = sorted(sites.items(), key=lambda kv: -kv[1])[:TOP_WAIT_SITES]
+        rec["wait_sites"] = [
+            {"site": site, "seconds": sec,
+             "per_request": sec / st.sampled if st.sampled else None}
+            for site, sec in top]
         return rec
 
     def to_records(self):
         """One plain dict per route (RouteTable.to_records' keys, plus
-        ``status``: requests per status class, "1xx".."5xx", "other"),
-        most requests first."""
+        ``status``: requests per status class, "1xx".."5xx", "other", and
+        ``wait_sites``: the top sites where the sampled requests waited,
+        ``site``, ``seconds`` summed, ``per_request`` per sampled
+        request), most requests first."""
         records = [self._record(st) for st in self._merged().values()]
         records.sort(key=lambda r: (-r["requests"], r["route"]))
         return records

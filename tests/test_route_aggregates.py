@@ -93,6 +93,9 @@ def test_every_request_is_counted_by_its_route(serve, pct):
         assert r["/items/{id}"]["sampled"] == 2
         assert r["/items/{id}"]["cpu"] > 0
         assert r["/sleep"]["waiting"] >= 0.03 * 0.9
+        top = r["/sleep"]["wait_sites"][0]
+        assert "app_of_paths" in top["site"] and "test_route_aggregates" \
+            in top["site"] and top["per_request"] >= 0.03 * 0.9
         assert r["/gen/{id}"]["sampled"] == 1
     else:
         assert all(rec["sampled"] == 0 and rec["cpu"] is None
