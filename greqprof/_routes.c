@@ -18,7 +18,8 @@
 
 #define RT_BUCKETS (8 * 34)      /* routes.WallHistogram's */
 #define RT_NB (RT_BUCKETS + 2)
-#define RT_CACHE_MAX 4096        /* PATH_INFO -> route entries */
+#define RT_CACHE_MAX 4096        /* PATH_INFO -> route entries ... */
+#define RT_CACHE_PATH 256        /* ... of paths this long at most */
 
 typedef struct {
     uint64_t requests, errors, status[6];   /* 1xx..5xx, other */
@@ -138,7 +139,7 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
     if (PyDict_GET_SIZE(rt->named) > 0) {
         PyObject *g = PyObject_CallNoArgs(rt->getcurrent);
         v = g ? PyDict_GetItemWithError(rt->named, g) : NULL;
-        if (v && PyUnicode_Check(v)) {
+        if (v && PyUnicode_CheckExact(v)) {
             Py_INCREF(v);
             if (PyDict_DelItem(rt->named, g) < 0) {
                 PyErr_Clear();
@@ -175,8 +176,9 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
     Py_INCREF(path);
     PyErr_Clear();
     v = PyObject_CallOneArg(rt->namer, environ);
-    if (v && PyUnicode_Check(v) &&
+    if (v && PyUnicode_CheckExact(v) &&
         PyDict_GET_SIZE(rt->cache) < RT_CACHE_MAX &&
+        PyUnicode_GET_LENGTH(path) <= RT_CACHE_PATH &&
         PyDict_SetItem(rt->cache, path, v) < 0) {
         PyErr_Clear();
     }
@@ -186,6 +188,10 @@ python:
     PyErr_Clear();
     v = PyObject_CallOneArg(rt->namer, environ);
 checked:
+    if (v && PyUnicode_Check(v) && !PyUnicode_CheckExact(v)) {
+        /* (a str subclass could run Python while the table is updated) */
+        Py_SETREF(v, PyUnicode_FromObject(v));
+    }
     if (!v || !PyUnicode_Check(v)) {
         rt->namer_errors++;
         Py_XDECREF(v);
@@ -317,6 +323,10 @@ static PyObject *rt_record_py(gqp_rt *rt, PyObject *args)
     int status, error;
     double wall;
     if (!PyArg_ParseTuple(args, "Uipd", &route, &status, &error, &wall)) {
+        return NULL;
+    }
+    if (!PyUnicode_CheckExact(route)) {
+        PyErr_SetString(PyExc_TypeError, "record: route must be a str");
         return NULL;
     }
     rt_record(rt, route, status, error, wall);

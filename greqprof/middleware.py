@@ -558,17 +558,22 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                                      self.pid, self.json_logs))
 
     def _route_sampled(self, route, profile):
-        """(C calls it) A delivered sampled profile of ``route``."""
+        """(C calls it) A delivered sampled profile of ``route``: its CPU,
+        waiting, wait sites and blocking added to the route, read from its
+        raw data when it is still deferred (not built for this)."""
         try:
             # (the inspector lists a route's profiles by it)
             profile.route = routes._name(route)
-            w = profile.waiting
+            loader = profile.__dict__.get("_loader")
+            if loader is not None:
+                cpu, waiting, waits = _collect.route_numbers(loader[1])
+            else:
+                cpu, waiting = profile.cpu, profile.waiting.seconds
+                waits = [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
+                          w.seconds) for w in profile.waits]
             self._routes.add_sampled(
-                route, profile.cpu, w.seconds if w is not None else None,
-                len(profile.blocking),
-                sum(ev.wall for ev in profile.blocking),
-                [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
-                  w.seconds) for w in profile.waits])
+                route, cpu, waiting, len(profile.blocking),
+                sum(ev.wall for ev in profile.blocking), waits)
         except Exception as e:
             self._internal_error("routes", e)
 

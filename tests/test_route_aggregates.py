@@ -341,3 +341,23 @@ def test_routes_page_sorts_and_links_to_the_routes_profiles(serve):
     assert s.get("/_greqprof/routes?sort=nonsense").status == 200
     assert s.get("/_greqprof/routes",
                  headers=[("Host", "evil.example")]).status == 403
+
+
+def test_sampled_numbers_come_from_the_raw_profile_unbuilt(serve):
+    """The route's CPU, waiting and wait sites are read from a deferred
+    profile's raw data (it stays unbuilt) and equal the built fields."""
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0)
+    s.get("/sleep")
+    (p,) = s.wait_profiles(1)
+    wait_for(lambda: by_route(s.mw)["/sleep"]["sampled"] == 1,
+             what="the sampled request counted")
+    assert "_loader" in vars(p)   # (not built by the aggregates)
+    rec = by_route(s.mw)["/sleep"]
+    assert rec["cpu"] == pytest.approx(p.cpu)
+    assert rec["waiting"] == pytest.approx(p.waiting.seconds)
+    w = p.waits[0]
+    assert rec["wait_sites"][0] == {
+        "site": "%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
+        "seconds": pytest.approx(w.seconds),
+        "per_request": pytest.approx(w.seconds)}
+    assert p.route == "/sleep"
