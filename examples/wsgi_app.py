@@ -105,8 +105,11 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     wsgi = app if args.bare else make_app(pct=args.pct, calls=args.calls)
     server = pywsgi.WSGIServer((args.host, args.port), wsgi, log=None)
-    print("serving on http://%s:%d" % (args.host, server.server_port),
-          flush=True)
+    server.start()   # (bound: --port 0 has its port now)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(server.server_host,
+                                                    server.server_host)
+    print("serving on http://%s:%d" % ("[%s]" % host if ":" in host else host,
+                                       server.server_port), flush=True)
     server.serve_forever()
 
 

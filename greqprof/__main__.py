@@ -75,23 +75,20 @@ def cmd_serve(args):
     app = load_app(args.app)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mw = find_middleware(app)
-    if mw is not None:
-        # The module wraps its app already: served as it is (its own
-        # options), not profiled twice.
-        print("greqprof: %s is already wrapped in a ProfilingMiddleware; "
-              "its options are used, not the command line's" % args.app,
-              file=sys.stderr, flush=True)
     try:
         if mw is None:
             mw = app = ProfilingMiddleware(
-                app, pct=args.pct, calls=args.calls,
+                app, pct=1.0 if args.pct is None else args.pct,
+                calls=args.calls,
                 # (only 0 is off: a negative or NaN value is refused)
-                blocking_ms=(None if args.blocking_ms == 0
-                             else args.blocking_ms),
+                blocking_ms=_blocking_ms(args),
                 ui_path=UI_PATH if args.ui else None,
                 profile_dir=args.profile_dir,
                 formats=args.formats.split(",") if args.formats else None,
                 report=not args.quiet)
+            inspector = mw.inspector
+        else:
+            app, inspector = _adopt(mw, app, args)
     except ConfigError as e:
         raise CliError(str(e))
     try:
@@ -101,12 +98,17 @@ def cmd_serve(args):
     except (OSError, OverflowError) as e:
         raise CliError("cannot listen on %s:%d: %s"
                        % (args.host, args.port, e))
-    host = server.server_host
-    url = "http://%s:%d" % ("[%s]" % host if ":" in host else host,
-                            server.server_port)
+    url = _url(server.server_host, server.server_port)
+    # (a wrapped app's own inspector is shown too, when it would answer)
+    note = inspector is not None and _unreachable(inspector, url)
+    if note and args.ui:
+        server.stop()
+        raise CliError(note)
     print("greqprof: serving %s on %s" % (args.app, url), flush=True)
-    if args.ui:
-        print("greqprof: inspector at %s%s/" % (url, UI_PATH), flush=True)
+    if inspector is not None and not note:
+        print("greqprof: inspector at %s%s/%s" % (
+            url, inspector.path, " (it asks for its ui_token: ?token=...)"
+            if inspector.token_required else ""), flush=True)
     # SIGTERM and SIGINT stop the server (the requests in flight get
     # STOP_GRACE_S to end), then the profiles still lingering or queued
     # are delivered (bounded by FLUSH_S) before the process exits.
@@ -123,6 +125,108 @@ def cmd_serve(args):
     server.stop(timeout=STOP_GRACE_S)
     mw.flush(timeout=FLUSH_S)
     return 0
+
+
+def _blocking_ms(args):
+    """--blocking-ms as the middleware's option (0: off, None)."""
+    if args.blocking_ms is None:
+        return 100.0
+    return None if args.blocking_ms == 0 else args.blocking_ms
+
+
+def _adopt(mw, app, args):
+    """Serves an app that carries its own ProfilingMiddleware ``mw`` (not
+    profiled twice): the options it leaves unset are applied (--ui,
+    --profile-dir, --quiet); those that would change how it profiles
+    (--pct, --calls, --blocking-ms) are refused with a CliError saying
+    where to set them.  Returns (the WSGI app to serve, the inspector or
+    None)."""
+    from . import config
+    from .inspector import Inspector, ProfileOutputs
+    from .renderers.files import ProfileWriter
+    cfg = mw.config
+    refused = []
+    if args.pct is not None and config.check("pct", args.pct) != cfg.pct:
+        refused.append(("--pct", "pct=%r" % args.pct))
+    if args.calls and not cfg.calls:
+        refused.append(("--calls", "calls=True"))
+    if args.blocking_ms is not None:
+        ms = config.check("blocking_ms", _blocking_ms(args))
+        if (int(ms * 1e6) if ms else 0) != cfg.blocking_ns:
+            refused.append(("--blocking-ms", "blocking_ms=%r" % ms))
+    outputs = mw._outputs or ProfileOutputs(cfg.calls)
+    if args.profile_dir is not None or args.formats:
+        if outputs.writer is not None:
+            refused.append(("--profile-dir", "profile_dir=%r"
+                            % args.profile_dir))
+        elif args.profile_dir is None:
+            raise CliError("--formats needs --profile-dir")
+    if refused:
+        raise CliError(
+            "%s is already wrapped in %r, which %s cannot change: pass %s "
+            "to ProfilingMiddleware where the app is wrapped, or serve the "
+            "app without it" % (
+                args.app, mw, " and ".join(o for o, _ in refused),
+                ", ".join(k for _, k in refused)))
+    if args.profile_dir is not None:
+        outputs.writer = ProfileWriter(
+            args.profile_dir, args.formats.split(",") if args.formats
+            else ("json",), calls=cfg.calls)
+    added = ["--profile-dir"] if args.profile_dir is not None else []
+    inspector = mw.inspector
+    if args.ui and inspector is None:
+        # Served in front of the app (its requests never reach the
+        # middleware), fed by the middleware's deliveries.
+        inspector = outputs.ui = Inspector(UI_PATH)
+        app = _Front(inspector, app)
+        added.append("--ui")
+    if outputs.writer is not None or outputs.ui is not None:
+        mw._outputs = outputs
+    if args.quiet:
+        mw.report = False
+        added.append("--quiet")
+    print("greqprof: %s is already wrapped in %r: served with its options"
+          "%s" % (args.app, mw, " and " + " ".join(added) if added else ""),
+          file=sys.stderr, flush=True)
+    return app, inspector
+
+
+class _Front:
+    """Sends the inspector's paths to it, the rest to the app."""
+
+    def __init__(self, inspector, app):
+        self.inspector, self.app = inspector, app
+
+    def __call__(self, environ, start_response):
+        if self.inspector.matches(environ):
+            return self.inspector(environ, start_response)
+        return self.app(environ, start_response)
+
+
+def _url(host, port):
+    """The URL a browser on this machine reaches a server listening on
+    host:port by (loopback for the wildcard addresses: some browsers
+    refuse 0.0.0.0)."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(
+        host, host)
+    return "http://%s:%d" % ("[%s]" % host if ":" in host else host, port)
+
+
+def _unreachable(inspector, url):
+    """Why the inspector would refuse a browser on this machine opening
+    its page under url, or None (a token is the user's to add)."""
+    netloc = url.split("//", 1)[1]
+    addr = url.rsplit(":", 1)[0].split("//", 1)[1].strip("[]")
+    probe = {"HTTP_HOST": netloc, "REMOTE_ADDR": addr}
+    if inspector.host_allowed(probe) and (
+            inspector.token_required or inspector.allowed(probe)):
+        return None
+    return ("--ui: the inspector would refuse a browser opening %s%s/ "
+            "(it answers loopback addresses, and those its ui_hosts and "
+            "ui_allow name): serve on --host 127.0.0.1 (or 0.0.0.0), or "
+            "wrap the app with ProfilingMiddleware(app, ui_path=..., "
+            "ui_hosts=..., ui_allow=...) (docs/viewing.md)"
+            % (url, inspector.path))
 
 
 _NO_MEMORY = "%s is too large for the memory this process may use"
@@ -261,11 +365,11 @@ def build_parser():
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000,
                    help="0 picks a free port (default 8000)")
-    s.add_argument("--pct", type=float, default=1.0,
+    s.add_argument("--pct", type=float,
                    help="share of requests to profile, 0.0-1.0 (default 1)")
     s.add_argument("--calls", action="store_true",
                    help="collect function statistics too")
-    s.add_argument("--blocking-ms", type=float, default=100.0,
+    s.add_argument("--blocking-ms", type=float,
                    help="report spans at least this long as blocking "
                         "(0: off; default 100)")
     s.add_argument("--ui", action="store_true",

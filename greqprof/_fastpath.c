@@ -228,6 +228,28 @@ static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names)
     return res;
 }
 
+/* ("Greenlet", fn_name) of the live greenlet of st's thread whose tracer
+ * id is id, by the function kept for it; a new reference, or NULL.  A scan
+ * of the slots: made only for a greenlet a profile names that was never
+ * named (read_profile's waiting top). */
+static PyObject *run_names_of_id(gqp_py_thread *st, uint64_t id)
+{
+    for (size_t i = 0; i < GQP_RUNS; i++) {
+        gqp_run *r = &gqp_runs[i];
+        uint64_t rid = 0;
+        if (r->fn && r->st == st &&
+            gqp_tracer_greenlet_id(st->tracer, r->key, &rid) == GQP_OK &&
+            rid == id) {
+            PyObject *fn_name = run_name(r->fn);
+            PyObject *res = fn_name ? Py_BuildValue("(sN)", "Greenlet",
+                                                    fn_name) : NULL;
+            PyErr_Clear();
+            return res;
+        }
+    }
+    return NULL;
+}
+
 static PyObject *or_none(PyObject *v)
 {
     return v ? v : Py_None;   /* borrowed */
@@ -683,6 +705,16 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         }
         /* This thread's engine is not ready: Python sets it up (and arms
          * this path for it). */
+        return call_method2((PyObject *)self, str_call_slow, environ,
+                            start_response);
+    }
+    if (!self->blocking && gqp__tls && gqp__tls->open_profiles > 0 &&
+        !armed_state(self)) {
+        /* Armed for another thread, and this one has sampled profiles
+         * open: one may be the running greenlet's previous request, still
+         * lingering, which Python ends (_begin) before what the greenlet
+         * spawns goes to it.  (Before: it went there, when two threads
+         * shared the middleware with blocking_ms=None.) */
         return call_method2((PyObject *)self, str_call_slow, environ,
                             start_response);
     }

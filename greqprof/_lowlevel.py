@@ -33,6 +33,39 @@ real_get_ident = _original("_thread", "get_ident")
 RealThreadLocal = _original("_thread", "_local")
 
 
+class _ThreadToken:
+    """Stands for one OS thread while it lives: thread idents are reused
+    once a thread has ended, this object is not.  Kept only in a real
+    thread-local, so it is dropped when its thread ends (in that thread,
+    as CPython clears the ending thread's state), and then runs the
+    callbacks registered in on_exit."""
+
+    __slots__ = ("on_exit", "__weakref__")
+
+    def __init__(self):
+        self.on_exit = []
+
+    def __del__(self):
+        if sys.is_finalizing():
+            return   # (the interpreter's exit: atexit did what it could)
+        for fn in self.on_exit:
+            try:
+                fn()
+            except BaseException:   # (never fail a thread's end)
+                pass
+
+
+_thread_mark = RealThreadLocal()
+
+
+def thread_token():
+    """The calling OS thread's _ThreadToken."""
+    tok = getattr(_thread_mark, "token", None)
+    if tok is None:
+        tok = _thread_mark.token = _ThreadToken()
+    return tok
+
+
 def _check(rc, what):
     if rc < 0:
         name = ffi.string(lib.gqp_err_name(rc)).decode()

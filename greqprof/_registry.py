@@ -34,6 +34,15 @@ greenlet_id = None
 running_since = None
 #: wall_ns(): libgreqprof's monotonic clock in ns (a C function)
 wall_ns = None
+
+
+def own_work():
+    """What the caller does from here until it returns is greqprof's own
+    work (logging, delivery, rendering): left out of the function tables
+    of profiles.  The C function (_hooks/calls.c) replaces this no-op when
+    the hooks load."""
+
+
 #: the C base of ProfilingMiddleware: runs the path of unsampled requests
 #: (see _fastpath.c)
 MiddlewareBase = None

@@ -370,6 +370,21 @@ static int nonempty(PyObject *s)
     return s && PyUnicode_Check(s) && PyUnicode_GET_LENGTH(s) > 0;
 }
 
+/* 1 for a row of the waiting top that is not shown: not a row, or one
+ * of greqprof's own greenlets (as request_records leaves them out). */
+static int own_top_row(PyObject *t)
+{
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+        return 1;
+    }
+    PyObject *n = PyTuple_GET_ITEM(t, 2);
+    PyObject *fn = PyTuple_Check(n) && PyTuple_GET_SIZE(n) == 2
+                       ? PyTuple_GET_ITEM(n, 1) : NULL;
+    return nonempty(fn) &&
+           PyUnicode_Tailmatch(fn, str_greqprof_prefix, 0, PY_SSIZE_T_MAX,
+                               -1) == 1;
+}
+
 /* report.label(name, fn): borrowed (may be NULL or None: "") */
 static PyObject *label_of(PyObject *name, PyObject *fn)
 {
@@ -1035,14 +1050,23 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
                    ns - n_shown, n_shown);
     }
 
-    /* waiting */
+    /* waiting (report._WAITING) */
     BUF_LIT(&b, "\nWaiting: ");
     buf_ms(&b, 1, (double)wait_ns * 1e-9, 0);
-    buf_puts(&b, complete ? " while other greenlets ran"
-                          : " while other greenlets ran (history incomplete)");
+    BUF_LIT(&b, " with none of the request's greenlets running");
+    if (!complete) {
+        BUF_LIT(&b, " (history incomplete)");
+    }
+    int shown_top = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(top) && !shown_top; i++) {
+        shown_top = !own_top_row(PyTuple_GET_ITEM(top, i));
+    }
+    if (shown_top) {
+        BUF_LIT(&b, ", while these ran:");
+    }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(top); i++) {
         PyObject *t = PyTuple_GET_ITEM(top, i);
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+        if (own_top_row(t)) {
             continue;
         }
         unsigned long long gid =
@@ -1056,11 +1080,6 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
         if (PyTuple_Check(n) && PyTuple_GET_SIZE(n) == 2) {
             name = PyTuple_GET_ITEM(n, 0);
             fn = PyTuple_GET_ITEM(n, 1);
-        }
-        if (nonempty(fn) &&
-            PyUnicode_Tailmatch(fn, str_greqprof_prefix, 0,
-                                PY_SSIZE_T_MAX, -1) == 1) {
-            continue;   /* greqprof's own greenlets (as request_records) */
         }
         BUF_LIT(&b, "\n  ");
         buf_ms(&b, 1, (double)wns * 1e-9, 10);
@@ -1102,7 +1121,8 @@ static PyObject *render_rows_py(PyObject *self, PyObject *const *args,
             buf_u64(&b, (unsigned long long)m, 0);
             BUF_LIT(&b, " of ");
             buf_u64(&b, (unsigned long long)nw, 0);
-            BUF_LIT(&b, " sites)");
+            BUF_LIT(&b, " sites; time each greenlet of the request was "
+                        "switched out there, summed)");
         }
         for (int k = 0; k < m; k++) {
             gqp_wait_stat st;

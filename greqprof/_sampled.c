@@ -523,11 +523,43 @@ static gqp_profile *greenlet_profile(gqp_py_thread *st, PyObject *g)
  * request, whatever the options, ends here.  0, or -1 with a
  * BaseException set (raised in a hook) that goes on once req is queued or
  * finalized. */
+/* req, finished in a thread other than its own, goes back to its
+ * engine's queue, and that thread's finisher is woken: it detaches the
+ * greenlet (its tracer is that thread's) before the greenlet's next
+ * request records into the profile, tells the observers, and finalizes
+ * it.  -1 when it cannot (the engine abandoned: a forked child's copy,
+ * or its thread gone, which released it). */
+static int queue_for_owner(gqp_mw *mw, gqp_req *req, PyObject *eng)
+{
+    if (!eng || engine_abandoned(eng)) {
+        return -1;
+    }
+    PyObject *pending = PyObject_GetAttr(eng, str_pending);
+    PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
+    int rc = pending && item && PyList_Check(pending) &&
+             PyList_Append(pending, item) == 0 ? 0 : -1;
+    Py_XDECREF(pending);
+    Py_XDECREF(item);
+    PyErr_Clear();
+    if (rc == 0) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)mw,
+                                                str_wake_from_thread, eng);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+    return rc;
+}
+
 static int req_finish(gqp_mw *mw, gqp_req *req)
 {
     if (req->done == Py_True) {
         if (req->truncated == Py_True && !req->end_seen && mw->observers &&
-            req->st && req->st == gqp__tls) {
+            req->st) {
+            if (req->st != gqp__tls) {
+                /* (its thread's finisher tells the observers) */
+                queue_for_owner(mw, req, req->engine);
+                return 0;
+            }
             /* Closed by max_lifetime while it went on: observers still
              * hear of its response's end (their span is open until
              * then), without a snapshot. */
@@ -549,28 +581,12 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     if (!st || !eng) {
         /* Not in the thread (or the process) it began in: a forked
          * child's copy is the parent's to report; another thread's goes
-         * back to its engine, whose finisher (or reaper) finalizes it. */
-        int rc = 0;
-        if (sampled && eng && !engine_abandoned(eng)) {
-            PyObject *pending = PyObject_GetAttr(eng, str_pending);
-            PyObject *item = PyTuple_Pack(2, (PyObject *)mw, (PyObject *)req);
-            rc = pending && item && PyList_Check(pending) &&
-                 PyList_Append(pending, item) == 0 ? 0 : -1;
-            Py_XDECREF(pending);
-            Py_XDECREF(item);
-            PyErr_Clear();
-            if (rc == 0) {
-                /* Its thread's finisher, woken now, detaches the greenlet
-                 * (its tracer is that thread's) before the greenlet's
-                 * next request records into this profile. */
-                PyObject *r = PyObject_CallMethodOneArg(
-                    (PyObject *)mw, str_wake_from_thread, eng);
-                Py_XDECREF(r);
-                PyErr_Clear();
-            }
-        } else {
-            rc = -1;
-        }
+         * back to its engine, whose finisher (or reaper) finalizes it,
+         * and tells the observers.  (Before: an observed request
+         * without a profile was dropped here, left in its engine for
+         * good, and observers never heard of its end.) */
+        int rc = sampled || mw->observers ? queue_for_owner(mw, req, eng)
+                                          : -1;
         if (rc < 0) {
             Py_XSETREF(req->greenlet, Py_NewRef(Py_None));
         }
@@ -1957,6 +1973,26 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     return res;
 }
 
+/* finish_pending's pass stopped by a BaseException (set), which goes on:
+ * the queue keeps what waits and what the pass did not finish (from
+ * index `from` on). */
+static PyObject *pass_stopped(PyObject *pending, PyObject *waiting,
+                              Py_ssize_t from)
+{
+    PyObject *value = PyErr_GetRaisedException();
+    for (Py_ssize_t j = from; j < PyList_GET_SIZE(pending); j++) {
+        if (PyList_Append(waiting, PyList_GET_ITEM(pending, j)) < 0) {
+            break;
+        }
+    }
+    PyErr_Clear();
+    PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending), waiting);
+    Py_DECREF(waiting);
+    PyErr_Clear();
+    PyErr_SetRaisedException(value);
+    return NULL;
+}
+
 /* _registry.finish_pending(engine, pending, now): one pass of the
  * engine's finisher over its queue of (middleware, request): requests
  * whose greenlets are all done, or whose linger ran out, are finalized;
@@ -2005,6 +2041,16 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
             attach_greenlet(rst, req->greenlet, NULL);
             PyErr_Clear();
         }
+        if (mw->observers && !req->end_seen && req->done == Py_True &&
+            req->st == gqp__tls) {
+            /* Finished from another thread (in its own, observers hear
+             * of it there): they hear of it here, in the request's. */
+            req->end_seen = 1;
+            if (lifecycle_hook(mw, str_observe_end, req) < 0) {
+                Py_DECREF(item);   /* (it stays queued: finalized later) */
+                return pass_stopped(pending, waiting, i);
+            }
+        }
         int wait = 0;
         /* A request the finisher sees queued for the first time waits one
          * pass, unless it woke the finisher itself: the children it
@@ -2043,21 +2089,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
                 /* A BaseException (the finisher killed) goes on; what
                  * this pass did not look at stays queued. */
                 Py_DECREF(item);
-                PyObject *value = PyErr_GetRaisedException();
-                for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(pending);
-                     j++) {
-                    if (PyList_Append(waiting,
-                                      PyList_GET_ITEM(pending, j)) < 0) {
-                        break;
-                    }
-                }
-                PyErr_Clear();
-                PyList_SetSlice(pending, 0, PyList_GET_SIZE(pending),
-                                waiting);
-                Py_DECREF(waiting);
-                PyErr_Clear();
-                PyErr_SetRaisedException(value);
-                return NULL;
+                return pass_stopped(pending, waiting, i + 1);
             }
             Py_XDECREF(r);
         }

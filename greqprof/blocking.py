@@ -3,12 +3,11 @@ kept with the request they belong to and logged as WARNINGs that do not
 flood (one per site, the code that held the loop, per blocking_interval;
 the rest summed up; issue 16, item 5)."""
 import os
-import re
 from time import monotonic as _monotonic
 
 from . import _collect, _lowlevel, _registry, logs
 from ._lowlevel import NS
-from .report import render_blocking, safe
+from .report import blocking_site, render_blocking, safe
 from .routes import path_route
 from .request_profile import BlockingEvent, fit_json
 
@@ -21,9 +20,11 @@ MAX_PER_REQUEST = 100
 def drain(mw, eng):
     """Turns this thread's queued long-span records into blocking
     events: each is logged as a WARNING and kept with the open request
-    it belongs to (by its profile, else by its greenlet)."""
+    it belongs to (by its profile, else by its greenlet).  greqprof's own
+    work: not in the profile of the request whose greenlet runs it."""
     if not _registry.long_spans:
         return
+    _registry.own_work()
     recs = _lowlevel.drain_long_spans(eng.thread_ident)
     done = 0
     try:
@@ -160,6 +161,7 @@ def log_blocking(mw, ev):
 def log_summaries(mw, force=False):
     """One line per site whose interval ended with WARNINGs held back:
     how many, and the longest."""
+    _registry.own_work()
     try:
         for summary in mw._blocking_sites.expired(_monotonic(), force):
             logs.ensure_visible(mw.log)
@@ -179,29 +181,6 @@ def _log_summary(mw, site, n, longest, seconds):
             "Blocking spans not logged: %d more at %s within %g s of "
             "its last WARNING (the longest %.1f ms)"
             % (n, safe(site, 400), seconds, longest * 1000.0))
-
-
-_FRAME = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
-_NOT_APP = (os.sep + "gevent" + os.sep, os.sep + "greenlet" + os.sep)
-
-
-def blocking_site(ev):
-    """The code that held the loop: "function (file:line)" of the innermost
-    app frame (not gevent's, greenlet's or greqprof's) of the watchdog's
-    stack, else of the switch-out stack; else the greenlet's function."""
-    for stack in (ev.sampled_stack, ev.stack):
-        if not stack:
-            continue
-        for line in reversed(stack.rstrip("\n").split("\n")):
-            m = _FRAME.match(line)
-            if m is None:
-                continue
-            filename = m.group(1)
-            if filename.startswith(OWN_DIR) or \
-                    any(d in filename for d in _NOT_APP):
-                continue
-            return "%s (%s:%s)" % (m.group(3), filename, m.group(2))
-    return ev.fn_name or ev.greenlet_name or "greenlet %d" % ev.greenlet_id
 
 
 class BlockingSites:

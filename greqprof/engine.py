@@ -162,6 +162,7 @@ def engine_for_thread(config):
     _local.engine = eng
     with _engines_lock:
         _engines[eng.thread_ident] = eng
+    _watch_thread_end(eng)
     if config.watchdog and config.blocking_ns:
         Watchdog.ensure(config.blocking_ns)
     return eng
@@ -175,7 +176,7 @@ def _new_engine(config):
     try:
         return Engine(config)
     except ProfilerStateError:
-        session = _profiler_session(real_get_ident())
+        session = _profiler_session()
         if session is None:
             raise
         session.tracer.uninstall()
@@ -184,14 +185,108 @@ def _new_engine(config):
         return eng
 
 
-def _profiler_session(ident):
-    """The session of a running Profiler that holds the hooks of thread
-    ident (Profiler._session_holding_hooks), or None."""
+def _profiler_session():
+    """The session of a running Profiler that holds the calling thread's
+    hooks (Profiler._session_holding_hooks), or None."""
     for prof in list(running_profilers):
-        session = prof._session_holding_hooks(ident)
+        session = prof._session_holding_hooks()
         if session is not None:
             return session
     return None
+
+
+def _watch_thread_end(eng):
+    """eng's requests are finished when its thread ends: nothing else
+    would ever deliver them or give their max_open slots back."""
+    tok = _lowlevel.thread_token()
+    # (engines shut down in this thread are let go of)
+    tok.on_exit[:] = [fn for fn in tok.on_exit if fn.live()]
+    tok.on_exit.append(_EndOfThread(eng))
+
+
+class _EndOfThread:
+    """thread_ended(engine), called as the engine's thread ends."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, eng):
+        self.ref = weakref.ref(eng)
+
+    def live(self):
+        eng = self.ref()
+        return eng is not None and not eng.abandoned
+
+    def __call__(self):
+        eng = self.ref()
+        if eng is not None:
+            thread_ended(eng)
+
+
+def thread_ended(eng):
+    """eng's thread is ending (called in it, as CPython drops its
+    thread-locals; its hub may be gone already): its queued requests are
+    delivered as they are, its open ones truncated (their responses will
+    never end), every slot given back, and the engine dropped with its
+    hooks."""
+    if eng.abandoned or eng.pid != os.getpid() or \
+            eng.thread_ident != real_get_ident():
+        return   # (a forked child drops the parent's threads: not ours)
+    from .loops import truncate   # (loops imports this module)
+    now = _lowlevel.wall_ns()
+    try:
+        # The finisher's pass (C), as if every linger were over: it also
+        # tells observers of requests finished from other threads.
+        for _ in range(3):   # (a BaseException stops a pass)
+            if eng.pending:
+                _quietly(_registry.finish_pending, eng, eng.pending,
+                         _NO_LINGER_NS)
+        for req in list(eng.profile_requests.values()) + \
+                list(eng.requests.values()):
+            mw = req.owner
+            if mw is None or req.finalizing or req.greenlet is None:
+                continue
+            if not req.done:
+                # (its response ends now, as far as anyone will know)
+                if mw.observers:
+                    req.end_ns = now
+                    _quietly(mw._observe_end, req)
+                if req.profile is not None:
+                    _quietly(truncate, mw, eng, req, now)
+                    continue
+            _quietly(mw._finalize, eng, req)
+    finally:
+        # Whatever is left (an error above) is released undelivered.
+        eng.abandon()
+        for req in list(eng.profile_requests.values()) + \
+                list(eng.requests.values()):
+            if req.owner is not None:
+                _quietly(req.owner._finalize, eng, req)
+        del eng.pending[:]
+        eng.lingering.clear()
+        for mw in list(eng.middlewares):
+            if mw._engine is eng:
+                mw._engine = None
+        with _engines_lock:
+            if _engines.get(eng.thread_ident) is eng:
+                del _engines[eng.thread_ident]
+                _registry.hub_ids.pop(eng.thread_ident, None)
+        try:
+            eng.stop()
+        except Exception:
+            pass
+
+
+#: a finish_pending time past every request's linger
+_NO_LINGER_NS = 1 << 62
+
+
+def _quietly(fn, *args):
+    # (each request on its own: a sink's error is the middleware's to
+    # log, and a BaseException must not stop the others)
+    try:
+        fn(*args)
+    except BaseException:
+        pass
 
 
 def fork_generation():

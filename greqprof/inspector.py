@@ -29,7 +29,7 @@ import secrets
 import threading
 from urllib.parse import parse_qs, quote, urlencode
 
-from . import config
+from . import _registry, config
 from ._text import clean
 from .errors import ConfigError
 from .renderers import RENDERERS, RenderError, get_renderer
@@ -198,6 +198,11 @@ class Inspector:
     def __repr__(self):
         return "<Inspector %s keep=%d>" % (self.path, self.keep)
 
+    @property
+    def token_required(self):
+        """True when every request must carry ``ui_token``."""
+        return self._token is not None
+
     # -- the ring ---------------------------------------------------------
     def add(self, profile):
         with self._lock:
@@ -260,6 +265,9 @@ class Inspector:
         return True
 
     def __call__(self, environ, start_response):
+        # (not the app's work, should a middleware around this one profile
+        # the request)
+        _registry.own_work()
         if not self.allowed(environ):
             return self._plain(start_response, "403 Forbidden",
                                "greqprof inspector: forbidden\n")

@@ -343,6 +343,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def _defer(self, outer):
         """This middleware serves requests that another ProfilingMiddleware
         around it profiles already: it passes them through (once logged)."""
+        _registry.own_work()   # (the WARNING is not the outer profile's)
         if getattr(self, "_deferring", False):
             return
         self._deferring = True
@@ -490,6 +491,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         self._arm(eng.tracer.hooks_addr, eng, _engine.fork_generation())
 
     def _notify(self, observer, event, *args):
+        _registry.own_work()
         fn = getattr(observer, event, None)
         if fn is not None:
             try:
@@ -512,6 +514,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         the C lifecycle calls itself); snapshot=True reads an open profile
         without consuming its stacks (for observers), and without its
         blocking events."""
+        _registry.own_work()
         calls = self._calls_of(req) if self.config.calls else None
         return self._build_profile(eng.tracer.addr, req, snapshot, calls)
 
@@ -578,6 +581,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._internal_error("routes", e)
 
     def _deliver(self, profile):
+        # (logging, rendering, sinks and files are greqprof's work, in
+        # whichever greenlet: not in any profile's function table)
+        _registry.own_work()
         if self.report:
             try:
                 log = self.log
@@ -601,6 +607,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
 
     def _internal_error(self, where, exc):
         """Logs an internal failure once per place; never raises."""
+        _registry.own_work()
         self.stats["errors"] += 1
         if where in self._errors_logged:
             return

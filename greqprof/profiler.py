@@ -2,10 +2,11 @@
 import os
 import sys
 import threading
+import weakref
 
 from . import _collect, _lowlevel, _registry
 from .engine import current_engine, running_profilers
-from ._lowlevel import RawProfile, RawTracer, real_get_ident
+from ._lowlevel import RawProfile, RawTracer, real_get_ident, thread_token
 from .errors import ConfigError, ProfilerStateError
 
 CLOCKS = ("cpu", "wall")
@@ -57,9 +58,15 @@ class _Session:
         self.profile = profile
         self.thread_name = thread_name
         self.thread_ident = real_get_ident()
+        # (the ident of a thread that ended is given to later threads)
+        self._thread = weakref.ref(thread_token())
         #: the ProfilingMiddleware engine whose tracer this session shares
         #: (a thread has one set of hooks), or None
         self.engine = engine
+
+    def is_this_thread(self):
+        """Whether this is the calling OS thread's session."""
+        return self._thread() is thread_token()
 
     def share(self, eng):
         """From now on this session is recorded through eng's tracer (the
@@ -202,13 +209,13 @@ class Profiler:
             self._sessions.append(session)
         return session
 
-    def _session_holding_hooks(self, ident):
-        """This Profiler's session with its own hooks in thread ident, or
-        None (engine.py: a ProfilingMiddleware's engine takes the thread's
-        hooks over)."""
+    def _session_holding_hooks(self):
+        """This Profiler's session with its own hooks in the calling
+        thread, or None (engine.py: a ProfilingMiddleware's engine takes
+        the thread's hooks over)."""
         with self._lock:
             for s in self._sessions:
-                if s.thread_ident == ident and s.engine is None and \
+                if s.is_this_thread() and s.engine is None and \
                         s.tracer is not None and self._running:
                     return s
         return None
@@ -261,9 +268,8 @@ class Profiler:
         sys.setprofile(self._prev_thread_profile)
         if not self._running:
             return
-        me = real_get_ident()
         with self._lock:
-            mine = [s for s in self._sessions if s.thread_ident == me]
+            mine = [s for s in self._sessions if s.is_this_thread()]
         try:
             if mine:
                 # A green thread (gevent.monkey) in an OS thread we already
@@ -296,7 +302,7 @@ class Profiler:
 
     def _forked(self, me):
         with self._lock:
-            keep = [s for s in self._sessions if s.thread_ident == me]
+            keep = [s for s in self._sessions if s.is_this_thread()]
             self._sessions = keep
         for s in keep:
             s.profile.clear()

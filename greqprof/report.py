@@ -10,6 +10,8 @@ read out, without building a Span object per span (``_raw_parts``); any
 other profile from its records (``_record_parts``).  Both feed the same
 formatting, so the text is the same either way."""
 import heapq
+import os
+import re
 import time
 
 from . import _lowlevel, _registry
@@ -379,9 +381,7 @@ def _tail(p, out, calls_limit, waits=True):
         sites, dropped = _waits(p)
         out.extend(render_waits(sites, DEFAULT_WAITS, dropped))
     for b in p.blocking:
-        out.append("Blocking span: %s (CPU %s) in %s" % (
-            _ms(b.wall), _ms(b.cpu),
-            _who(b.greenlet_id, b.greenlet_name, b.fn_name)))
+        out.append("%s, %s" % (_blocking_head(b), _greenlet_of(b)))
     if p.calls is not None:
         out.append(render_calls(p.calls, calls_limit))
     out.append("<<< End RequestProfile")
@@ -419,21 +419,71 @@ def _render_py(p, spans, calls_limit, greenlets):
         out.append("... %d more spans not shown (the %d longest are shown, "
                    "in start order; report(spans=None) shows all)"
                    % (hidden, len(parts.spans)))
-    out.append("Waiting: %s while other greenlets ran%s" % (
+    out.append(_WAITING % (
         _ms(parts.wait_s),
-        "" if parts.wait_complete else " (history incomplete)"))
+        "" if parts.wait_complete else " (history incomplete)",
+        _WHILE if parts.wait_top else ""))
     for gid, name, fn, seconds in parts.wait_top:
         out.append("  %10s  %s" % (_ms(seconds), _who(gid, name, fn)))
     return _tail(p, out, calls_limit)
 
 
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
+#: frames that are not the app's: greqprof's, gevent's (its servers too),
+#: greenlet's and gunicorn's
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NOT_APP = tuple(os.sep + d + os.sep for d in ("gevent", "greenlet",
+                                                 "gunicorn"))
+
+
+def blocking_site(ev):
+    """Where the app was while a blocking span held the loop: "function
+    (file:line)" of the innermost frame outside greqprof, gevent, greenlet
+    and the server of the watchdog's stack, else of the switch-out stack;
+    else the greenlet's function.  Also the key of the WARNINGs' rate
+    limit (blocking.BlockingSites)."""
+    for stack in (ev.sampled_stack, ev.stack):
+        if not stack:
+            continue
+        for line in reversed(stack.rstrip("\n").split("\n")):
+            m = _FRAME.match(line)
+            if m is None:
+                continue
+            filename = m.group(1)
+            if filename.startswith(_OWN_DIR) or \
+                    any(d in filename for d in _NOT_APP):
+                continue
+            return "%s (%s:%s)" % (m.group(3), filename, m.group(2))
+    return ev.fn_name or ev.greenlet_name or "greenlet %d" % ev.greenlet_id
+
+
+def _greenlet_of(b):
+    """"greenlet 3 name (function)" of a blocking event, without a name
+    that repeats its request (the request's own greenlet) or function."""
+    text = "greenlet %d" % b.greenlet_id
+    lab = label(b.greenlet_name or "", b.fn_name or "")
+    request = ("%s %s" % (b.method, b.path) if b.path is not None
+               else None)
+    if lab and lab not in (request, b.fn_name,
+                           "greenlet-%d" % b.greenlet_id):
+        text += " " + safe(lab, 200)
+    if b.fn_name:
+        text += " (%s)" % safe(b.fn_name, 300)
+    return text
+
+
+def _blocking_head(b):
+    """Where the app was, how long the loop was held, on CPU how much."""
+    return "Blocking span: %s held the event loop for %s (CPU %s)" % (
+        safe(blocking_site(b), 600), _ms(b.wall), _ms(b.cpu))
+
+
 def render_blocking(b):
-    """The WARNING text for a blocking span."""
+    """The WARNING text for a blocking span: its first line names where
+    the app was, then the request and the greenlet; the stacks below."""
     where = ("during %s %s" % (safe(b.method, 32), safe(b.path))
              if b.path is not None else "outside any request")
-    head = ("Blocking span: %s held the event loop for %s (CPU %s) %s"
-            % (_who(b.greenlet_id, b.greenlet_name, b.fn_name), _ms(b.wall),
-               _ms(b.cpu), where))
+    head = "%s %s, %s" % (_blocking_head(b), where, _greenlet_of(b))
     if b.request_id:
         head += " [request id %s]" % safe(b.request_id, 128)
     parts = [head]
@@ -447,6 +497,13 @@ def render_blocking(b):
     return "\n".join(parts)
 
 
+#: the report's "Waiting:" line (_render.c writes the same): time the
+#: request as a whole waited, unlike "Waited at:", which sums each of its
+#: greenlets' waits (greenlets waiting at once each count)
+_WAITING = "Waiting: %s with none of the request's greenlets running%s%s"
+_WHILE = ", while these ran:"
+
+
 def render_waits(waits, limit=5, dropped=0):
     """The ``Waited at:`` section's lines: the top `limit` wait sites
     (largest first), one line each: time waited, count, greenlets,
@@ -454,7 +511,9 @@ def render_waits(waits, limit=5, dropped=0):
     if not waits and not dropped:
         return []
     shown = waits[:limit]
-    lines = ["Waited at: (top %d of %d sites)" % (len(shown), len(waits))]
+    lines = ["Waited at: (top %d of %d sites; time each greenlet of the "
+             "request was switched out there, summed)"
+             % (len(shown), len(waits))]
     for w in shown:
         lines.append("  %10s %6d wait%s %4d greenlet%s  %s (%s:%d)" % (
             _ms(w.seconds), w.count, " " if w.count == 1 else "s",

@@ -37,6 +37,25 @@ APP = textwrap.dedent('''
     not_callable = 42
 ''')
 
+# The same app wrapped in its module, as README's Usage shows (Flask's
+# `app.wsgi_app = ProfilingMiddleware(app.wsgi_app)`)
+WRAPPED = textwrap.dedent('''
+    from greqprof import ProfilingMiddleware
+    from cli_test_app import app
+
+    class Carrier:
+        def __init__(self, inner, **options):
+            self.wsgi_app = ProfilingMiddleware(inner, report=False,
+                                                linger=0, **options)
+
+        def __call__(self, environ, start_response):
+            return self.wsgi_app(environ, start_response)
+
+    wrapped = Carrier(app, pct=1.0)
+    own_ui = Carrier(app, pct=1.0, ui_path="/debug/prof")
+    sampled = Carrier(app, pct=0.05)
+''')
+
 
 def cli(*args, cwd=CHILD_CWD, timeout=30):
     # python -m puts the working directory first on sys.path: not the
@@ -203,21 +222,24 @@ class Server:
         self.url = url
 
 
-def start_serve(tmp_path, *args):
+def start_serve(tmp_path, *args, app="cli_test_app:app"):
     (tmp_path / "cli_test_app.py").write_text(APP)
+    (tmp_path / "cli_wrapped_app.py").write_text(WRAPPED)
     with open(str(tmp_path / "stderr.txt"), "wb") as err:  # never a full pipe
         proc = subprocess.Popen(
-            [sys.executable, "-m", "greqprof", "serve", "cli_test_app:app",
+            [sys.executable, "-m", "greqprof", "serve", app,
              "--port", "0"] + list(args),
             cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err)
     line = proc.stdout.readline().decode()
-    m = re.search(r"serving cli_test_app:app on (http://\S+)", line)
+    m = re.search(r"serving %s on (http://\S+)" % re.escape(app), line)
     if not m:
         proc.kill()
         proc.wait()
         raise AssertionError("no serving line: %r %r" % (
             line, (tmp_path / "stderr.txt").read_text()[:2000]))
-    return Server(proc, m.group(1))
+    srv = Server(proc, m.group(1))
+    srv.cwd = tmp_path
+    return srv
 
 
 def stop(server):
@@ -310,3 +332,161 @@ def test_serve_bad_number_is_one_line(tmp_path, args, needle):
     r = cli("serve", "cli_test_app:app", "--quiet", *args,
             cwd=str(tmp_path), timeout=20)
     fails(r, needle)
+
+
+# ---------------------------------------------------------------------------
+# serve on an app already wrapped in ProfilingMiddleware: no dead ends
+
+def inspector_url(srv):
+    line = srv.proc.stdout.readline().decode()
+    m = re.search(r"inspector at (http://\S+/)", line)
+    assert m, (line, stderr_of(srv))
+    return m.group(1)
+
+
+def stderr_of(srv):
+    return (srv.cwd / "stderr.txt").read_text()[:2000]
+
+
+def wait_listed(url, path):
+    """The inspector's list page once it lists path (profiles are
+    delivered after the response)."""
+    deadline = time.monotonic() + 10
+    while True:
+        page = requests.get(url, timeout=10)
+        assert page.status_code == 200, (page.status_code, page.text[:300])
+        if path in page.text or time.monotonic() > deadline:
+            return page.text
+        time.sleep(0.05)
+
+
+def test_serve_ui_on_a_wrapped_app_serves_an_inspector(tmp_path):
+    """--ui and --profile-dir on an app whose module wraps it: the printed
+    inspector URL answers and lists the request, profiled once (used to
+    print a URL the app answered itself, and drop --profile-dir)."""
+    out = tmp_path / "profiles"
+    srv = start_serve(tmp_path, "--ui", "--quiet", "--profile-dir", str(out),
+                      app="cli_wrapped_app:wrapped")
+    try:
+        ui = inspector_url(srv)
+        assert ui == srv.url + "/_greqprof/"
+        r = requests.get(srv.url + "/hello/wrapped", timeout=10)
+        assert r.status_code == 200 and r.text == "hello"
+        page = wait_listed(ui, "/hello/wrapped")
+        assert "/hello/wrapped" in page and "greqprof" in page
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+                out.exists() and os.listdir(str(out))):
+            time.sleep(0.05)
+        assert [f for f in os.listdir(str(out)) if f.endswith(".json")]
+    finally:
+        stop(srv)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert "already wrapped" in err and "--ui" in err, err
+    files = [f for f in os.listdir(str(out)) if not f.startswith(".")]
+    assert len(files) == 1, files   # one middleware profiled it
+
+
+@pytest.mark.parametrize("args", [(), ("--ui",)])
+def test_serve_shows_a_wrapped_apps_own_inspector(tmp_path, args):
+    """The middleware's own ui_path is the URL printed, and it answers."""
+    srv = start_serve(tmp_path, "--quiet", *args,
+                      app="cli_wrapped_app:own_ui")
+    try:
+        ui = inspector_url(srv)
+        assert ui == srv.url + "/debug/prof/"
+        requests.get(srv.url + "/own", timeout=10).raise_for_status()
+        assert "/own" in wait_listed(ui, "/own")
+    finally:
+        stop(srv)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--calls"], ["--calls cannot change", "calls=True", "pct=0.05"]),
+    (["--pct", "0.5", "--blocking-ms", "0"],
+     ["--pct and --blocking-ms cannot", "pct=0.5, blocking_ms=None"]),
+    (["--formats", "json"], ["--formats needs --profile-dir"]),
+    (["--blocking-ms", "-5"], ["blocking_ms must be"]),
+])
+def test_serve_refuses_what_a_wrapped_app_fixes(tmp_path, args, needles):
+    """Options that would change how the module's middleware profiles stop
+    the command at once, saying where to set them (--calls used to be
+    silently ignored)."""
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    (tmp_path / "cli_wrapped_app.py").write_text(WRAPPED)
+    r = cli("serve", "cli_wrapped_app:sampled", "--port", "0", *args,
+            cwd=str(tmp_path), timeout=20)
+    fails(r, *needles)
+    assert len(r.stderr.decode().strip().splitlines()) == 1, r.stderr
+
+
+def test_serve_accepts_what_a_wrapped_app_already_does(tmp_path):
+    srv = start_serve(tmp_path, "--quiet", "--pct", "1", "--blocking-ms",
+                      "100", app="cli_wrapped_app:wrapped")
+    try:
+        assert requests.get(srv.url + "/", timeout=10).text == "hello"
+    finally:
+        stop(srv)
+
+
+def test_serve_ui_on_all_interfaces_prints_a_loopback_url(tmp_path):
+    """--host 0.0.0.0: the URLs printed name 127.0.0.1 (the inspector
+    refuses Host: 0.0.0.0, and some browsers refuse to open it)."""
+    srv = start_serve(tmp_path, "--host", "0.0.0.0", "--ui", "--quiet")
+    try:
+        assert srv.url.startswith("http://127.0.0.1:")
+        ui = inspector_url(srv)
+        requests.get(srv.url + "/x", timeout=10).raise_for_status()
+        assert requests.get(ui, timeout=10).status_code == 200
+    finally:
+        stop(srv)
+
+
+def _local_address():
+    """A non-loopback address of this machine (a UDP connect sends
+    nothing), or None."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") else addr
+
+
+def test_serve_ui_refuses_a_host_the_inspector_would_refuse(tmp_path):
+    """The inspector answers loopback clients only: --ui on a
+    non-loopback address stops at once instead of printing a URL that
+    answers 403."""
+    addr = _local_address()
+    if addr is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    (tmp_path / "cli_wrapped_app.py").write_text(WRAPPED)
+    for app in ("cli_test_app:app", "cli_wrapped_app:wrapped"):
+        r = cli("serve", app, "--host", addr, "--port", "0", "--ui",
+                "--quiet", cwd=str(tmp_path), timeout=20)
+        fails(r, "--ui: the inspector would refuse", "--host 127.0.0.1")
+
+
+def test_example_app_prints_a_url_that_answers(tmp_path):
+    """examples/wsgi_app.py --port 0 printed port 0 (read before the
+    server was bound)."""
+    example = os.path.join(os.path.dirname(CHILD_CWD), "examples",
+                           "wsgi_app.py")
+    with open(str(tmp_path / "stderr.txt"), "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, example, "--port", "0", "--host", "0.0.0.0"],
+            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err,
+            env=child_env())
+    try:
+        line = proc.stdout.readline().decode()
+        url = re.search(r"serving on (http://\S+)", line).group(1)
+        assert url.startswith("http://127.0.0.1:"), line
+        r = requests.get(url + "/", timeout=10)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()

@@ -1120,7 +1120,8 @@ def test_waiting_time_names_the_neighbour(serve):
     assert top[0] == gids["/burner"]
     assert gids["/sleeper"] not in top
     assert sleeper.waiting.top[0].seconds > 0
-    assert "while other greenlets ran" in sleeper.report()
+    assert "with none of the request's greenlets running, while these " \
+        "ran:" in sleeper.report()
     # The burner's own profile: its CPU is its own, not waiting on itself.
     burner = s.profile_for("/burner")
     assert gids["/burner"] not in [w.greenlet_id

@@ -156,9 +156,11 @@ def test_one_warning_per_site_then_a_summary(serve, caplog):
     assert any("_hold_elsewhere" in w for w in warned)
     # the request's own greenlet is named after the request (item 7)
     assert {b.greenlet_name for b in p.blocking} == {"GET /flood"}
-    assert all(re.match(r"Blocking span: greenlet \d+ GET /flood "
-                        r"\(gevent\.baseserver\._handle_and_close_when_done"
-                        r"\) held the event loop", w) for w in warned), warned
+    assert all(re.match(r"Blocking span: _hold_(the_loop|elsewhere) \(.*"
+                        r"test_output\.py:\d+\) held the event loop for .* "
+                        r"during GET /flood, greenlet \d+ \(gevent\."
+                        r"baseserver\._handle_and_close_when_done\)$",
+                        w.split("\n")[0]) for w in warned), warned
     assert s.mw.stats["blocking_not_logged"] == 3
     # after the interval, the drain loop (every second) sums up the rest
     wait_for(lambda: [m for m in messages(caplog, logging.WARNING)
@@ -344,7 +346,8 @@ def test_waited_at_section_lists_the_top_sites():
               for i in range(6)]
     assert render_waits((), 5) == []
     lines = render_waits(waits, 5)
-    assert lines[0] == "Waited at: (top 5 of 8 sites)"
+    assert lines[0] == ("Waited at: (top 5 of 8 sites; time each greenlet "
+                        "of the request was switched out there, summed)")
     assert lines[1].split() == ["41.2", "ms", "3", "waits", "2",
                                 "greenlets", "wait_upstream",
                                 "(/srv/app.py:12)"]
@@ -360,7 +363,7 @@ def test_waited_at_section_lists_the_top_sites():
                        waiting=Waiting(seconds=0.046))
     p.waits = waits
     text = p.report()
-    assert "\nWaited at: (top 5 of 8 sites)" in text
+    assert "\nWaited at: (top 5 of 8 sites; " in text
     assert text.index("Waiting:") < text.index("Waited at") < \
         text.index("<<< End")
 

@@ -169,10 +169,10 @@ def test_report_format(profiles):
     assert fns == [s.fn_name for s in p.spans]
     assert text.count(" stack_trace=") == len(p.spans)
     assert len([sp for sp in p.spans if sp.long]) == 1
-    assert re.search(r"^Waiting: \d+\.\d ms while other greenlets ran$",
-                     text, re.M)
-    assert re.search(r"^Blocking span: \d+\.\d ms \(CPU .*\) in greenlet "
-                     r"\d+ ", text, re.M)
+    assert re.search(r"^Waiting: \d+\.\d ms with none of the request's "
+                     r"greenlets running(, while these ran:)?$", text, re.M)
+    assert re.search(r"^Blocking span: .* held the event loop for \d+\.\d ms "
+                     r"\(CPU .*\), greenlet \d+ ", text, re.M)
     assert "Functions (by inclusive time, top" in text
     assert re.search(r"^\s+5\s+5\s.*helper_in_request \(.*test_report\.py:"
                      r"\d+\)$", text, re.M)
@@ -541,7 +541,7 @@ def test_wait_sites_of_a_deferred_profile_are_read_from_its_rows(
     p.__dict__["_loader"] = (counting_loader, raw)
     text = p.report()
     assert not calls, "the report built the deferred fields"
-    i = text.index("Waited at: (top 2 of 2 sites)")
+    i = text.index("Waited at: (top 2 of 2 sites; ")
     lines = text[i:].split("\n")
     assert lines[1].split()[:7] == ["41.2", "ms", "3", "waits", "2",
                                     "greenlets", "wait_upstream"]
@@ -591,7 +591,7 @@ def test_c_renderer_reads_read_waits_layout_as_it_is():
                                report._indent_clean_stack, True,
                                report._clean_safe)
     assert fast == report._render_py(p, 10, 25, 20)
-    i = fast.index("Waited at: (top 5 of 5 sites)")
+    i = fast.index("Waited at: (top 5 of 5 sites; ")
     lines = fast[i:].split("\n")
     assert lines[1].split()[6:] == ["?", "(:0)"]      # (dropped record)
     assert lines[2].split()[6:] == ["slow_io", "(/srv/a.py:7)"]

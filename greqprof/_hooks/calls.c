@@ -2,6 +2,91 @@
  * A part of _hooks.c (one translation unit, see there). */
 #include "hooks.h"
 
+/* ---- greqprof's own work ----------------------------------------------
+ * What greqprof does in a greenlet on its own account (logging a WARNING,
+ * delivering or rendering a profile) is not the app's, though it may run
+ * in a greenlet of a request being profiled: from _registry.own_work()
+ * until the Python function that called it returns, the call hook records
+ * nothing (it counts frames to find that return).  Per greenlet: the
+ * switch hook parks the state of a greenlet that switches out in its own
+ * work and gives it back when the greenlet runs again. */
+
+static PyObject *own_work(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    gqp_py_thread *st = gqp__tls;
+    if (st && st->active && st->calls && st->profile_installed &&
+        !st->own) {
+        /* This very call was recorded (a builtin); its return will come
+         * in own work, unrecorded: it ends here. */
+        if (st->builtins) {
+            gqp_tracer_return(st->tracer);
+        }
+        st->own = 1;
+        st->own_depth = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef own_work_def = {
+    "own_work", own_work, METH_NOARGS,
+    "own_work(): the calls made until the caller returns are greqprof's "
+    "own work, left out of profiles."};
+
+/* The call hook goes back in after events were missed (it was off, or
+ * replaced): frames counted before mean nothing now. */
+static void own_reset(gqp_py_thread *st)
+{
+    st->own = 0;
+    st->own_parked = 0;
+}
+
+/* An event of own work: only the caller's return is recorded. */
+static void own_event(gqp_py_thread *st, int what)
+{
+    if (what == PyTrace_CALL) {
+        st->own_depth++;
+    } else if (what == PyTrace_RETURN && st->own_depth-- == 0) {
+        st->own = 0;
+        gqp_tracer_return(st->tracer);
+    }
+}
+
+/* The switch hook's part, when a greenlet is or was in own work. */
+static void own_switch(gqp_py_thread *st, PyObject *from, PyObject *to,
+                       int dead)
+{
+    if (st->own) {
+        st->own = 0;
+        uint64_t key = (uint64_t)(uintptr_t)from, id = 0;
+        if (!dead && gqp_tracer_greenlet_id(st->tracer, key, &id) == GQP_OK) {
+            int i = st->own_parked < GQP_OWN_PARK ? st->own_parked++
+                                                  : st->own_next;
+            /* (full: the oldest goes, its greenlet's calls are recorded
+             * again when it runs) */
+            st->own_next = (i + 1) % GQP_OWN_PARK;
+            st->own_park[i] = (struct gqp_own_park){key, id, st->own_depth};
+        }
+    }
+    uint64_t key = (uint64_t)(uintptr_t)to, id = 0;
+    for (int i = 0; i < st->own_parked; i++) {
+        if (st->own_park[i].key != key) {
+            continue;
+        }
+        /* (an id, never reused, tells a new greenlet at the same address:
+         * not in own work) */
+        if (gqp_tracer_greenlet_id(st->tracer, key, &id) == GQP_OK &&
+            id == st->own_park[i].id) {
+            st->own = 1;
+            st->own_depth = st->own_park[i].depth;
+        }
+        st->own_park[i] = st->own_park[--st->own_parked];
+        st->own_next = 0;
+        break;
+    }
+}
+
 /* ---- the call hook ---------------------------------------------------- */
 
 static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
@@ -16,7 +101,9 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
     }
     st_enter(st);
     if (st->active && st->calls) {
-        switch (what) {
+        if (st->own) {
+            own_event(st, what);
+        } else switch (what) {
         case PyTrace_CALL: {
             PyCodeObject *co = PyFrame_GetCode(frame);
             uint64_t key = (uint64_t)(uintptr_t)co;

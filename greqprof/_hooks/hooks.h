@@ -14,6 +14,9 @@
 
 #include "greqprof.h"
 
+/* greenlets switched out in greqprof's own work, per thread (calls.c) */
+#define GQP_OWN_PARK 8
+
 typedef struct gqp_py_thread {
     gqp_tracer *tracer;        /* borrowed: owned by the Python object */
     unsigned long thread_id;
@@ -35,6 +38,16 @@ typedef struct gqp_py_thread {
     int open_profiles;         /* sampled profiles open (_sampled.c) */
     int busy;                  /* hooks running on it (st_enter) */
     int orphan;                /* freed while busy: the last st_leave frees */
+    /* greqprof's own work (calls.c): the running greenlet's, and those of
+     * greenlets that switched out in it */
+    int own;                   /* calls are not recorded */
+    int own_depth;             /* frames entered since own_work() */
+    int own_parked;            /* entries in own_park */
+    int own_next;              /* the entry replaced when it is full */
+    struct gqp_own_park {
+        uint64_t key, id;
+        int depth;
+    } own_park[GQP_OWN_PARK];
 } gqp_py_thread;
 
 /* The calling thread's state, for install/uninstall.  The hooks themselves
@@ -96,6 +109,10 @@ static PyObject *module_dir(PyObject *mod);
 #define GQP_PY_MAX_CODES 20000
 #define GQP_PY_STACK_DEPTH 40
 
+/* calls.c */
+static void own_switch(gqp_py_thread *st, PyObject *from, PyObject *to,
+                       int dead);
+static PyMethodDef own_work_def;
 /* entries.c */
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;
@@ -114,5 +131,6 @@ static uint64_t thread_generation;            /* gqp_py_thread_start's */
 static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key);
 static void run_forget(gqp_py_thread *st, uint64_t key);
 static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names);
+static PyObject *run_names_of_id(gqp_py_thread *st, uint64_t id);
 
 #endif /* GQP_HOOKS_H */

@@ -68,7 +68,7 @@ static int gqp_py_init(void)
     Py_XDECREF(gtype);
     PyMethodDef *defs[] = {&attach_def,
                            &greenlet_id_def, &running_since_def,
-                           &wall_ns_def};
+                           &wall_ns_def, &own_work_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         if (!fn || PyObject_SetAttrString(reg, defs[i]->ml_name, fn) < 0) {
@@ -294,6 +294,7 @@ static int gqp_py_calls(gqp_py_thread *st, int on)
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
     } else if (on && !st->profile_installed) {
+        own_reset(st);
         /* Chain to what is installed now (it may have changed since the
          * start: a cProfile enabled meanwhile). */
         PyThreadState *ts = PyThreadState_Get();
@@ -326,6 +327,7 @@ static int gqp_py_reinstall_calls(gqp_py_thread *st)
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
     } else if (st->profile_installed) {
+        own_reset(st);
         PyEval_SetProfile(gqp__profile, st->ref);
     }
     PyGILState_Release(gs);

@@ -149,6 +149,51 @@ static int has_row(const gqp_py_greenlet_row *rows, size_t n, uint64_t gid)
     return 0;
 }
 
+/* Names for a greenlet of the waiting top that was never named (only
+ * greenlets in profiles are, and the hub): by the function it runs, or
+ * "<main>" for the thread's main greenlet; kept in the registry for the
+ * next profile.  A new reference, or NULL (none known, or t is not the
+ * calling thread's). */
+static PyObject *name_waited_on(gqp_tracer *t, PyObject *key, uint64_t id)
+{
+    gqp_py_thread *st = gqp__tls;
+    if (!st || st->tracer != t || !st->active) {
+        return NULL;
+    }
+    PyObject *names = run_names_of_id(st, id);
+    if (!names && parent_getter.get) {
+        /* the root of the running greenlet's parents */
+        PyObject *g = PyObject_CallNoArgs(greenlet_getcurrent);
+        while (g && g != Py_None) {
+            PyObject *parent = getter_call(&parent_getter, g);
+            if (!parent || parent == Py_None) {
+                Py_XDECREF(parent);
+                break;
+            }
+            Py_SETREF(g, parent);
+        }
+        uint64_t rid = 0;
+        if (g && g != Py_None &&
+            gqp_tracer_greenlet_id(t, (uint64_t)(uintptr_t)g, &rid) == GQP_OK
+            && rid == id) {
+            PyObject *name = NULL, *fn = NULL;
+            greenlet_names(g, &name, &fn);
+            if (name && fn) {
+                names = PyTuple_Pack(2, name, fn);
+            }
+            Py_XDECREF(name);
+            Py_XDECREF(fn);
+        }
+        Py_XDECREF(g);
+    }
+    PyErr_Clear();
+    if (names && PyDict_GET_SIZE(reg_names) < GQP_PY_MAX_NAMES &&
+        PyDict_SetItem(reg_names, key, names) < 0) {
+        PyErr_Clear();
+    }
+    return names;
+}
+
 #define GQP_PY_PROFILE_ITEMS 14
 
 static PyObject *read_profile(PyObject *self, PyObject *const *args,
@@ -309,6 +354,9 @@ static PyObject *read_profile(PyObject *self, PyObject *const *args,
         if (!key || PyDict_GetItemRef(reg_names, key, &known) < 0) {
             Py_XDECREF(key);
             goto done;
+        }
+        if (!known) {
+            known = name_waited_on(t, key, ids[i]);
         }
         PyObject *row = PyTuple_New(3);
         PyObject *w = PyLong_FromLongLong(ns[i]);

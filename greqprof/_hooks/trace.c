@@ -106,6 +106,9 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         if (dead_id) {
             forget_later(dead_id);
         }
+        if (st->own | st->own_parked) {
+            own_switch(st, origin, target, dead);
+        }
         if (ev > 0) {
             if (ev & GQP_EV_LONG_SPAN) {
                 on_long_span(st, origin, dead);

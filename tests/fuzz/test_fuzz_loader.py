@@ -14,6 +14,7 @@ mutated: any field replaced by any JSON value, removed, or given odd
 text), arbitrary JSON documents, and raw bytes.  The committed corpus
 (tests/fuzz/corpus/*) is replayed in full every run.
 """
+import gzip
 import json
 import marshal
 import os
@@ -130,7 +131,10 @@ def render_all(profile):
             assert r.needs_calls and not profile.calls, name
             continue
         if r.binary:
-            marshal.loads(out)
+            if name == "pprof":
+                assert gzip.decompress(out), name
+            else:
+                marshal.loads(out)
             continue
         assert isinstance(out, str), name
         check_text(out, name)
