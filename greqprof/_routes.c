@@ -51,7 +51,7 @@ typedef struct {
 } gqp_rtw;
 
 static PyObject *str_rt_route_key, *str_rt_script, *str_rt_wzreq,
-    *str_rt_other, *str_rt_sampled, *str_rt_skip;
+    *str_rt_other, *str_rt_sampled, *str_rt_skip, *str_rt_file_wrapper;
 static PyTypeObject gqp_rtw_iter_type, gqp_rtw_seq_type;
 
 static int64_t rt_now(void)
@@ -637,8 +637,19 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         Py_DECREF(w);
         return NULL;
     }
-    if (PyList_CheckExact(result) || PyTuple_CheckExact(result)) {
+    PyObject *fw = PyList_CheckExact(result) || PyTuple_CheckExact(result)
+        ? NULL : PyDict_GetItemWithError(environ, str_rt_file_wrapper);
+    PyErr_Clear();
+    if (!fw && (PyList_CheckExact(result) || PyTuple_CheckExact(result))) {
         rtw_finish(w, 0);   /* (its end: nothing more runs app code) */
+        Py_DECREF(w);
+        return result;
+    }
+    if (fw && PyType_Check(fw) &&
+        PyObject_TypeCheck(result, (PyTypeObject *)fw)) {
+        /* The server's wsgi.file_wrapper goes back as it is (gunicorn
+         * sends it with sendfile): counted now, without the sending. */
+        rtw_finish(w, 0);
         Py_DECREF(w);
         return result;
     }
@@ -687,6 +698,7 @@ static int gqp_py_routes_init(PyObject *reg)
         {&str_rt_wzreq, "werkzeug.request"}, {&str_rt_other, "<other>"},
         {&str_rt_sampled, "_route_sampled"},
         {&str_rt_skip, "greqprof.no_route"},
+        {&str_rt_file_wrapper, "wsgi.file_wrapper"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         if (!*strs[i].s &&

@@ -361,3 +361,32 @@ def test_sampled_numbers_come_from_the_raw_profile_unbuilt(serve):
         "seconds": pytest.approx(w.seconds),
         "per_request": pytest.approx(w.seconds)}
     assert p.route == "/sleep"
+
+
+def test_the_servers_file_wrapper_goes_back_unwrapped(serve):
+    """gunicorn sends its wsgi.file_wrapper with sendfile: an unsampled
+    request's is returned as it is (counted when the app returns it)."""
+    class FileWrapper:
+        def __init__(self, data):
+            self.data = data
+
+        def __iter__(self):
+            return iter([self.data])
+
+    seen = []
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return environ["wsgi.file_wrapper"](b"file")
+
+    def server_side(mw):
+        def outer(environ, start_response):
+            environ["wsgi.file_wrapper"] = FileWrapper
+            body = mw(environ, start_response)
+            seen.append(type(body))
+            return body
+        return outer
+    s = serve(app, wrap=server_side, pct=0.0, report=False)
+    assert s.get("/f").body == b"file"
+    assert seen == [FileWrapper]
+    assert counts(s.mw) == {"/f": 1}
