@@ -145,6 +145,7 @@ ffi.cdef(CDEF)
 ffi.set_source(
     "greqprof._core",
     '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n#include "_sampled.c"\n'
+    '#include "_routes.c"\n'
     '#include "_render.c"\n',
     sources=[os.path.relpath(os.path.join(LIB, s), ROOT) for s in LIB_SOURCES],
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
@@ -153,6 +154,7 @@ ffi.set_source(
         os.path.join(HERE, "_hooks.c"), *HOOK_PARTS,
         os.path.join(HERE, "_fastpath.c"),
         os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_render.c"),
+        os.path.join(HERE, "_routes.c"),
         os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",
                                                      "greqprof.h"),

@@ -61,7 +61,8 @@ def _live(ref):
 
 def drain_loop(mw, ref):
     """Reports blocking spans of greenlets outside requests, once a
-    second (requests drain at their end)."""
+    second (requests drain at their end), and the routes summary line
+    when it is due."""
     import gevent
     while _live(ref) is not None:
         # (ref=False: this timer alone does not keep the loop running;
@@ -75,6 +76,7 @@ def drain_loop(mw, ref):
             blocking.drain(mw, eng)
             for m in list(eng.middlewares) or [mw]:
                 blocking.log_summaries(m)
+                m._routes_tick()
         except Exception as e:
             mw._internal_error("drain", e)
         del eng
