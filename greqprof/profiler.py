@@ -224,7 +224,10 @@ class Profiler:
         eng = current_engine()
         if eng is not None:
             return self._join_engine(eng)
-        profile = RawProfile(max_spans=self.max_spans, keep="last")
+        # (its own clock: a middleware's engine may take these hooks over,
+        # engine._new_engine, and its tracer times calls with its clock)
+        profile = RawProfile(max_spans=self.max_spans, keep="last",
+                             clock=self.clock)
         session = _Session(self._install_tracer(profile), profile,
                            threading.current_thread().name, calls=self.calls)
         with self._lock:

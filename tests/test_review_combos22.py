@@ -182,3 +182,61 @@ def test_sink_that_waits_as_its_thread_ends_is_not_a_blocked_loop():
         log.removeHandler(records)
     assert len(got) == 2
     assert [m for m in records.messages if "held the event loop" in m] == []
+
+
+WAIT = 0.2
+
+
+def _waits():
+    gevent.sleep(WAIT)
+
+
+@pytest.mark.parametrize("profiler_clock", ["wall", "cpu"])
+def test_profiler_started_before_the_middleware_keeps_its_own_clock(
+        profiler_clock):
+    """README's pattern: ``with greqprof.Profiler(clock=...)`` around a
+    server whose middleware has the other clock; the middleware's engine
+    takes the thread's hooks over at its first request and the Profiler
+    goes on through it, with its own clock: a function that only waits
+    counts its wait with clock="wall", not with clock="cpu".  (Before:
+    the Profiler's calls took the middleware's clock in this order; only
+    a Profiler started after the middleware's first request kept its
+    own.)"""
+    import greqprof
+
+    def app(environ, start_response):
+        _waits()
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    mw_clock = "cpu" if profiler_clock == "wall" else "wall"
+    profiles = []
+    mw = ProfilingMiddleware(app, pct=1.0, report=False, calls=True,
+                             sink=profiles.append, linger=0,
+                             clock=mw_clock, blocking_ms=None)
+    seen = {}
+
+    def serve():
+        with greqprof.Profiler(clock=profiler_clock) as prof:
+            server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+            server.start()
+            assert _get(server.server_port, "/") == b"HTTP/1.1 200 OK"
+            server.stop()
+        seen["calls"] = [f for f in prof.func_stats() if f.name == "_waits"]
+
+    t = threading.Thread(target=serve)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    [own] = seen["calls"]
+    if profiler_clock == "wall":
+        assert own.ttot >= WAIT * 0.95, own.ttot
+    else:
+        assert own.ttot < WAIT / 2, own.ttot
+    # (and the request's profile keeps the middleware's clock)
+    [p] = profiles
+    [req] = [f for f in p.calls if f.name == "_waits"]
+    if mw_clock == "wall":
+        assert req.ttot >= WAIT * 0.95, req.ttot
+    else:
+        assert req.ttot < WAIT / 2, req.ttot
