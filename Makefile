@@ -121,7 +121,7 @@ pytest: venv
 	$(VPY) -m pytest -q -p no:cacheprovider
 
 # The extension (_hooks.c with its parts in greqprof/_hooks/, _fastpath.c,
-# _sampled.c and libgreqprof as
+# _sampled.c, _routes.c and libgreqprof as
 # compiled into it) under AddressSanitizer, through the tests that exercise
 # it hardest.  Heap
 # checks only: greenlet copies stacks around, which stack instrumentation
@@ -130,7 +130,8 @@ pytest: venv
 ASAN_PY := build/asan-py
 ASAN_TESTS := test_fastpath.py test_sampled_c.py test_middleware.py test_faults.py test_threads_fork.py \
   test_borrowed_hooks.py test_borrowed_refs.py test_lifecycle.py test_lifecycle_review.py \
-  test_review_prof.py test_own_work.py test_reading.py
+  test_review_prof.py test_own_work.py test_reading.py \
+  test_route_aggregates.py test_routes.py
 ASAN_RUN = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:replace_intrin=0:detect_stack_use_after_return=0:abort_on_error=1 \
   $(CURDIR)/$(VPY)

@@ -34,10 +34,11 @@ factory::
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
 gqp-5pct, gqp-100pct (report=False), gqp-0pct-stack100 and
 gqp-5pct-stack100 (the stack sampler at 100 Hz, the default),
-gqp-0pct-nostack (stack_hz=0), gqp-5pct-logged, gqp-100pct-logged
-(each report logged at INFO to a file handler), bare-logged (no profiler,
-one access line logged per request the same way), gqp-100pct-calls,
-werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
+gqp-0pct-nostack (stack_hz=0), gqp-5pct-logged, gqp-100pct-logged,
+gqp-5pct-calls-logged (each report logged at INFO to a file handler),
+bare-logged (no profiler, one access line logged per request the same
+way), gqp-100pct-calls, gevent-monitor (gevent's monitor thread, no
+profiler), werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
 """
 import argparse
 import json
@@ -235,6 +236,26 @@ def _settrace_noop(app):
     return app
 
 
+def _gevent_monitor(app):
+    # gevent's own blocking detection: a monitor thread that checks every
+    # max_blocking_time whether the hub's greenlet tracer saw a switch and
+    # reports the hub thread's stack when it did not.  The config is read
+    # when the hub first runs (Hub.run), which is after this: the server
+    # starts the hub.  /__stats says whether the thread really runs.
+    import gevent
+    gevent.config.monitor_thread = True
+    gevent.config.max_blocking_time = 0.1
+    return app
+
+
+def _monitor_running():
+    """True when gevent's monitor thread runs for this thread's hub."""
+    from gevent._hub_local import get_hub_if_exists
+    hub = get_hub_if_exists()
+    thread = getattr(hub, "periodic_monitoring_thread", None)
+    return bool(thread is not None and thread.monitor_thread_ident)
+
+
 def _yappi(app):
     import yappi
     yappi.set_context_backend("greenlet")
@@ -265,6 +286,11 @@ CONFIGS = {
                           "a file", _greqprof_logged(pct=1.0)),
     "gqp-100pct-calls": ("greqprof pct=1.0 calls=True",
                          _greqprof(pct=1.0, calls=True)),
+    "gqp-5pct-calls-logged": ("greqprof pct=0.05 calls=True, each report "
+                              "logged at INFO to a file",
+                              _greqprof_logged(pct=0.05, calls=True)),
+    "gevent-monitor": ("gevent's monitor thread (monitor_thread=True, "
+                       "max_blocking_time=0.1)", _gevent_monitor),
     "bare-logged": ("bare app logging one access line per request at INFO "
                     "to a file", _access_logged),
     "werkzeug": ("werkzeug ProfilerMiddleware (cProfile)", _werkzeug),
@@ -303,6 +329,7 @@ def build(config, rows=DEFAULT_ROWS):
                                "gc": [g["collections"]
                                       for g in gc.get_stats()],
                                "app": dict(COUNTERS),
+                               "monitor": _monitor_running(),
                                "middleware": dict(mw_stats)
                                if mw_stats is not None else None}).encode()
             start_response("200 OK", [("Content-Type", "application/json"),

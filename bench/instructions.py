@@ -31,6 +31,17 @@ if mode == "c-noop":
     greenlet.settrace(operator.is_)
 elif mode == "py-noop":
     greenlet.settrace(lambda event, args: None)
+elif mode == "gevent-monitor":
+    # the switch tracer of gevent's monitor thread (without the thread,
+    # which only reads what the tracer wrote)
+    from gevent._tracer import GreenletTracer
+    tracer = GreenletTracer()
+elif mode == "mw-hooks":
+    # ProfilingMiddleware's hooks as after its first request, with no
+    # sampled request open: what every unsampled request's switches pay
+    from greqprof.engine import engine_for_thread
+    from greqprof.middleware import ProfilingMiddleware
+    engine_for_thread(ProfilingMiddleware(lambda e, s: [], pct=0.0).config)
 elif mode != "bare":
     import greqprof
     kw = {"greqprof-wall": dict(clock="wall", calls=False),
@@ -97,6 +108,8 @@ def main():
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="small sizes (checks the script works)")
+    ap.add_argument("--switch-only", action="store_true",
+                    help="only the switch rows")
     args = ap.parse_args()
     if not shutil.which("valgrind"):
         print("skipped: valgrind not installed (apt-get install valgrind)")
@@ -105,16 +118,18 @@ def main():
     s_small, s_big = (200, 600) if args.quick else (10000, 30000)
     f_small, f_big = (8, 11) if args.quick else (15, 18)
     rows = []
-    for mode in ("bare", "c-noop", "py-noop", "greqprof-wall",
-                 "greqprof-cpu", "greqprof-exact"):
+    for mode in ("bare", "c-noop", "py-noop", "gevent-monitor", "mw-hooks",
+                 "greqprof-wall", "greqprof-cpu", "greqprof-exact"):
         v = per_event(SWITCH_CHILD, mode, s_small, s_big, 2 * s_small,
                       2 * s_big, env)
         rows.append(("switch", mode, v))
-    for mode in ("bare", "cProfile", "greqprof-cpu", "greqprof-wall"):
+    for mode in () if args.switch_only else ("bare", "cProfile",
+                                             "greqprof-cpu", "greqprof-wall"):
         v = per_event(CALL_CHILD, mode, f_small, f_big, fib_calls(f_small),
                       fib_calls(f_big), env)
         rows.append(("call", mode, v))
     base = {kind: v for kind, mode, v in rows if mode == "bare"}
+    base.setdefault("call", 0.0)
     ref = {kind: v for kind, mode, v in rows
            if mode in ("c-noop", "cProfile")}
     if args.markdown:

@@ -11,6 +11,7 @@ from .handle import ProfileHandle, current_profile
 from .middleware import ProfilingMiddleware
 from .profiler import Profiler
 from .request_profile import BlockingEvent, RequestProfile
+from .routes import set_route
 from .stats import ChildStat, FuncStat, GreenletStat, Span, Waiting, WaitedOn
 
 __version__ = "0.1.0"
@@ -19,5 +20,5 @@ __all__ = [
     "Profiler", "ProfilingMiddleware", "current_profile", "ProfileHandle", "RequestProfile", "BlockingEvent",
     "Waiting", "WaitedOn", "Span", "FuncStat", "ChildStat", "GreenletStat",
     "GreqprofError", "ConfigError", "ProfilerStateError", "LibraryError",
-    "library_version", "__version__",
+    "library_version", "__version__", "set_route",
 ]

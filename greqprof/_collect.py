@@ -246,3 +246,22 @@ def wait_sites(raw, origin):
             if i in rank],
         "dropped_wait_events": events_dropped,
     }
+
+
+def route_numbers(raw):
+    """(cpu seconds or None, waiting seconds, [(wait site, seconds)]) of a
+    deferred profile's raw data, without building its fields (the route
+    aggregates read these of every sampled request)."""
+    cpu, seen = 0, False
+    for row in GREENLET_ROW.iter_unpack(raw[1]):
+        if row[2] >= 0:
+            cpu += row[2]
+            seen = True
+    sites = []
+    if len(raw) > 13:
+        records, stats = raw[13][0], raw[13][1]
+        for rec, row in zip(records, WAIT_SITE_ROW.iter_unpack(stats)):
+            _code, fn, filename, line, _stack = rec or (None, "?", "", 0,
+                                                        ())
+            sites.append(("%s (%s:%d)" % (fn, filename, line), row[1] * NS))
+    return (cpu * NS if seen else None), raw[4] * NS, sites

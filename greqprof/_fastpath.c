@@ -404,6 +404,7 @@ typedef struct {
     long armed_fork_gen;     /* engine.fork_generation() then */
     PyObject *armed_eng;     /* the engine; its containers: */
     PyObject *lingering, *requests, *profile_requests, *pending;
+    PyObject *routes;        /* RouteCounts (_routes.c), or NULL */
 } gqp_mw;
 
 /* _sampled.c */
@@ -431,6 +432,13 @@ static PyObject *mw_build_profile(gqp_mw *self, PyObject *const *args,
 static PyObject *mw_reentered(gqp_mw *self, PyObject *unused);
 static int reentered(gqp_mw *self);
 static int gqp_py_sampled_init(PyObject *reg);
+static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
+                          PyObject *start_response);
+/* _routes.c */
+static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
+                             PyObject *start_response);
+static PyObject *mw_routes_setup(gqp_mw *self, PyObject *arg);
+static int gqp_py_routes_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
     *str_defer,
@@ -451,6 +459,7 @@ static int mw_traverse(gqp_mw *self, visitproc visit, void *arg)
     Py_VISIT(self->requests);
     Py_VISIT(self->profile_requests);
     Py_VISIT(self->pending);
+    Py_VISIT(self->routes);
     return 0;
 }
 
@@ -473,6 +482,7 @@ static int mw_clear(gqp_mw *self)
     Py_CLEAR(self->profile_type);
     Py_CLEAR(self->clock);
     Py_CLEAR(self->hostname);
+    Py_CLEAR(self->routes);
     mw_unarm(self);
     return 0;
 }
@@ -623,6 +633,21 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *environ = PyTuple_GET_ITEM(args, 0);
     PyObject *start_response = PyTuple_GET_ITEM(args, 1);
+    if (self->routes && self->enabled && self->app &&
+        PyDict_Check(environ)) {
+        /* Counted by its route, unless an outer middleware counts it. */
+        PyObject *outer = PyDict_GetItemWithError(environ, str_mark_key);
+        if (!outer && !PyErr_Occurred()) {
+            return routes_call(self, environ, start_response);
+        }
+        PyErr_Clear();
+    }
+    return mw_serve(self, environ, start_response);
+}
+
+static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
+                          PyObject *start_response)
+{
     if (!self->app) {
         PyErr_SetString(PyExc_RuntimeError, "ProfilingMiddleware has no app");
         return NULL;
@@ -979,6 +1004,8 @@ static PyMethodDef mw_methods[] = {
      METH_FASTCALL, "Sets what _finalize puts in profiles (internal)."},
     {"_set_linger", (PyCFunction)mw_set_linger, METH_O,
      "Sets the linger of sampled requests, in seconds (internal)."},
+    {"_routes_setup", (PyCFunction)mw_routes_setup, METH_O,
+     "Sets the RouteCounts requests are counted in (internal)."},
     {"_open_acquire", (PyCFunction)(void (*)(void))mw_open_acquire,
      METH_FASTCALL,
      "Counts one more open profile if max_open allows (internal)."},
@@ -1028,7 +1055,7 @@ static int gqp_py_fast_init(PyObject *reg)
                                (PyObject *)&gqp_mw_type) < 0) {
         return -1;
     }
-    if (gqp_py_sampled_init(reg) < 0) {
+    if (gqp_py_sampled_init(reg) < 0 || gqp_py_routes_init(reg) < 0) {
         return -1;
     }
     PyMethodDef *defs[] = {&note_def, &request_note_def};

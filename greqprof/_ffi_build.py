@@ -46,7 +46,8 @@ typedef enum { GQP_PROFILE_MAX_SPANS, GQP_PROFILE_SPAN_POLICY,
     GQP_PROFILE_MAX_NAME, GQP_PROFILE_CALL_CLOCK, ... } gqp_profile_param;
 typedef enum { GQP_TRACER_CPU_MODE, GQP_TRACER_CPU_WINDOW_NS,
     GQP_TRACER_CALL_CLOCK, GQP_TRACER_LONG_SPAN_NS, GQP_TRACER_MAX_DEPTH,
-    GQP_TRACER_MAX_GREENLETS, GQP_TRACER_HISTORY, ... } gqp_tracer_param;
+    GQP_TRACER_MAX_GREENLETS, GQP_TRACER_HISTORY,
+    GQP_TRACER_CPU_WINDOW_OTHERS_NS, ... } gqp_tracer_param;
 
 typedef struct gqp_profile gqp_profile;
 typedef struct gqp_tracer gqp_tracer;
@@ -144,6 +145,7 @@ ffi.cdef(CDEF)
 ffi.set_source(
     "greqprof._core",
     '#include "greqprof.h"\n#include "_hooks.c"\n#include "_fastpath.c"\n#include "_sampled.c"\n'
+    '#include "_routes.c"\n'
     '#include "_render.c"\n',
     sources=[os.path.relpath(os.path.join(LIB, s), ROOT) for s in LIB_SOURCES],
     include_dirs=[os.path.join(LIB, "include"), LIB, HERE],
@@ -152,6 +154,7 @@ ffi.set_source(
         os.path.join(HERE, "_hooks.c"), *HOOK_PARTS,
         os.path.join(HERE, "_fastpath.c"),
         os.path.join(HERE, "_sampled.c"), os.path.join(HERE, "_render.c"),
+        os.path.join(HERE, "_routes.c"),
         os.path.join(HERE, "_compat.h"),
         os.path.join(LIB, "include",
                                                      "greqprof.h"),

@@ -235,7 +235,7 @@ typedef struct {
     PyObject *greenlet, *gid, *profile, *addr, *method, *path, *status,
         *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
         *blocking, *observed, *generation, *engine, *notes, *truncated,
-        *owner;
+        *owner, *route;
     PyObject *weakrefs;
     char finalizing;   /* set when a _finalize takes the request on */
     char counted_trigger;   /* its slot is one of the trigger reserve */
@@ -249,6 +249,8 @@ typedef struct {
     int64_t ling_span;
     char seen_queued;       /* a finisher pass saw it queued */
 } gqp_req;
+
+static void routes_sampled(gqp_mw *mw, gqp_req *req, PyObject *profile);
 
 /* A field reads None while unset, as structmember's T_OBJECT did (which
  * CPython deprecated: Py_T_OBJECT_EX raises AttributeError instead). */
@@ -290,6 +292,7 @@ static PyGetSetDef req_fields[] = {
     REQ_FIELD(notes, "The app's notes (current_profile().note), or None."),
     REQ_FIELD(truncated, "True when closed by max_lifetime."),
     REQ_FIELD(owner, "The middleware that profiles it."),
+    REQ_FIELD(route, "Its route, once the response ended (_routes.c)."),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -321,6 +324,7 @@ static int req_traverse(gqp_req *self, visitproc visit, void *arg)
     Py_VISIT(self->notes);
     Py_VISIT(self->truncated);
     Py_VISIT(self->owner);
+    Py_VISIT(self->route);
     return 0;
 }
 
@@ -346,6 +350,7 @@ static int req_clear(gqp_req *self)
     Py_CLEAR(self->notes);
     Py_CLEAR(self->truncated);
     Py_CLEAR(self->owner);
+    Py_CLEAR(self->route);
     return 0;
 }
 
@@ -1937,6 +1942,9 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
         Py_XDECREF(tracer);
         if (profile) {
             ok = deliver(self, profile) == 0;
+            if (ok && self->routes) {
+                routes_sampled(self, req, profile);
+            }
             if (ok && self->observers) {
                 PyObject *r = PyObject_CallMethodObjArgs(
                     (PyObject *)self, str_observe_profile, (PyObject *)req,

@@ -8,6 +8,7 @@ from time import monotonic as _monotonic
 from . import _collect, _lowlevel, _registry, logs
 from ._lowlevel import NS
 from .report import blocking_site, render_blocking, safe
+from .routes import path_route
 from .request_profile import BlockingEvent, fit_json
 
 #: greqprof's own directory: its frames are not the app's
@@ -52,7 +53,26 @@ def _report_long_span(mw, eng, rec):
     for m in list(eng.middlewares) or [mw]:
         if rec[3] - rec[2] >= m.config.blocking_ns > 0:
             m.stats["blocking"] += 1
+            _count_route(m, owner, ev)
             log_blocking(m, ev)
+
+
+def _count_route(mw, owner, ev):
+    """Counts the event by its request's route: a sampled request's when
+    its profile is delivered (its route is known at the end), an
+    unsampled one's now, by its path (the template is not known yet)."""
+    agg = getattr(mw, "_routes", None)
+    if agg is None:
+        return
+    try:
+        if owner is None:
+            agg.add_blocking(None, ev.wall)
+        elif getattr(owner, "profile", None) is None:
+            agg.add_blocking(path_route(owner.path or ""), ev.wall)
+        else:
+            agg.count_blocking(ev.wall)
+    except Exception as e:
+        mw._internal_error("routes", e)
 
 
 def _request_of_greenlet(eng, chain, note, start=None):

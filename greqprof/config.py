@@ -362,6 +362,15 @@ VARIABLES = {
     "GREQPROF_STACK_HZ": ("stack_hz", _Number(
         0.0, 1000.0, off=True, zero_off=True, unit="samples per second"),
         100),
+    "GREQPROF_MAX_ROUTES": ("max_routes", _Number(
+        1, 100000, integer=True), 500),
+    "GREQPROF_METRICS_PATH": ("metrics_path", _Text(
+        "a path like '/_greqprof/metrics' (printable ASCII, no ?, # or %, "
+        "no . or .. segment, up to 200)", 200,
+        pattern=r"(?!.*/\.\.?(?:/|\Z))/[!$&'()*+,;=:@/.~\w-]*[^/]",
+        ascii=True, optional=True), None),
+    "GREQPROF_SUMMARY_S": ("summary_s", _Number(
+        0.1, 86400.0, off=True, zero_off=True, unit="seconds"), 60.0),
 }
 
 #: option -> spec of the options that only code sets
@@ -384,6 +393,7 @@ OPTIONS = {
     "sink": _Callable("a callable or None"),
     "rng": _Callable("a callable returning floats in [0, 1), or None"),
     "seed": _Seed(),
+    "route": _Callable("a callable environ -> str, or None"),
 }
 OPTIONS.update({opt: spec for opt, spec, _ in VARIABLES.values()})
 

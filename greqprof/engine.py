@@ -75,6 +75,10 @@ class Engine:
         self.tracer = RawTracer(
             cpu_mode=config.cpu_mode, call_clock=config.clock,
             long_span_ns=config.blocking_ns, cpu_window_ns=CPU_WINDOW_IDLE)
+        # Greenlets in no sampled request keep the idle window while one
+        # is open: its neighbours' switches make no clock system calls.
+        self.tracer.set(_lowlevel.lib.GQP_TRACER_CPU_WINDOW_OTHERS_NS,
+                        CPU_WINDOW_IDLE, "cpu window of others")
         self.tracer.set_default(None)
         # The call hook is only on while a sampled request wants calls
         # (acquire_calls/release_calls): unsampled requests pay nothing
@@ -207,19 +211,21 @@ def _watch_thread_end(eng):
 
 
 class _EndOfThread:
-    """thread_ended(engine), called as the engine's thread ends."""
+    """thread_ended(engine), called as the engine's thread ends.  It holds
+    the engine until then (nothing else does for sure: the thread-local
+    that names it may be cleared first, and greqprof's background
+    greenlets hold it weakly, loops.py), and lets go of it after."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("eng",)
 
     def __init__(self, eng):
-        self.ref = weakref.ref(eng)
+        self.eng = eng
 
     def live(self):
-        eng = self.ref()
-        return eng is not None and not eng.abandoned
+        return self.eng is not None and not self.eng.abandoned
 
     def __call__(self):
-        eng = self.ref()
+        eng, self.eng = self.eng, None
         if eng is not None:
             thread_ended(eng)
 
@@ -235,6 +241,14 @@ def thread_ended(eng):
         return   # (a forked child drops the parent's threads: not ours)
     from .loops import truncate   # (loops imports this module)
     now = _lowlevel.wall_ns()
+    hub_before = _hub_now()
+    try:
+        # What waits from now on (a sink that switches) waits in a hub
+        # gevent makes anew, which the hooks do not know for the hub: no
+        # blocking spans are taken from a thread that serves no more.
+        eng.tracer.set(_lowlevel.lib.GQP_TRACER_LONG_SPAN_NS, 0, "long span")
+    except Exception:
+        pass
     try:
         # The finisher's pass (C), as if every linger were over: it also
         # tells observers of requests finished from other threads.
@@ -268,6 +282,13 @@ def thread_ended(eng):
         for mw in list(eng.middlewares):
             if mw._engine is eng:
                 mw._engine = None
+            try:
+                # (armed for this thread, it would hold the engine: no
+                # lingering left, so the check does not switch)
+                if mw._is_armed():
+                    mw._disarm()
+            except Exception:
+                pass
         with _engines_lock:
             if _engines.get(eng.thread_ident) is eng:
                 del _engines[eng.thread_ident]
@@ -276,6 +297,29 @@ def thread_ended(eng):
             eng.stop()
         except Exception:
             pass
+        _drop_hub_made_since(hub_before, eng)
+
+
+def _hub_now():
+    try:
+        from gevent._hub_local import get_hub_if_exists
+        return get_hub_if_exists()
+    except Exception:
+        return None
+
+
+def _drop_hub_made_since(before, eng):
+    """A sink or observer that switched as the thread ended made gevent a
+    new hub here (the thread's own was gone or destroyed by then): it is
+    destroyed with its loop, or its file descriptors stayed open for
+    good."""
+    hub = _hub_now()
+    if hub is None or hub is before or hub is eng.hub:
+        return
+    try:
+        hub.destroy(destroy_loop=True)
+    except Exception:
+        pass
 
 
 #: a finish_pending time past every request's linger

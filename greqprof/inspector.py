@@ -192,6 +192,8 @@ class Inspector:
         self._lock = threading.Lock()
         self._form_key = secrets.token_urlsafe(24)
         self._html = HtmlRenderer()
+        #: the middleware's RouteAggregates (the Routes page), or None
+        self.routes = None
 
     def __repr__(self):
         return "<Inspector %s keep=%d>" % (self.path, self.keep)
@@ -281,6 +283,8 @@ class Inspector:
                                "GET only\n", [("Allow", "GET, HEAD")])
         if sub == "/":
             return self._list(environ, start_response)
+        if sub == "/routes" and self.routes is not None:
+            return self._routes_page(environ, start_response)
         m = _ID.match(sub)
         if m:
             profile = self.get(int(m.group(1)))
@@ -333,6 +337,77 @@ class Inspector:
             url += "?" + urlencode({"token": qs["token"][0]})
         return url
 
+    def _query_url(self, environ, sub, **query):
+        url = self._url(environ, sub)
+        return url + ("&" if "?" in url else "?") + urlencode(query)
+
+    def _routes_page(self, environ, start_response):
+        """Every route of the middleware since it started, sorted by
+        ?sort= (cpu: estimated total CPU, p99, waiting: estimated total
+        waiting, blocking: seconds blocked, requests)."""
+        def esc(text, quote=True):
+            return html.escape(clean(text), quote)
+        sort = parse_qs(environ.get("QUERY_STRING", "")).get(
+            "sort", ["cpu"])[0]
+        keys = {
+            "cpu": lambda r: r["cpu_total"] or 0.0,
+            "p99": lambda r: r["wall_p99"] or 0.0,
+            "waiting": lambda r: (r["waiting"] or 0.0) * r["requests"],
+            "blocking": lambda r: (r["blocked"], r["blocking"]),
+            "requests": lambda r: r["requests"]}
+        if sort not in keys:
+            sort = "cpu"
+        records = sorted(self.routes.to_records(), key=keys[sort],
+                         reverse=True)
+        rows = []
+        for r in records:
+            waiting_total = (r["waiting"] * r["requests"]
+                             if r["waiting"] is not None else None)
+            rows.append(
+                '<tr class="gq-route-row"><td class="gq-path">'
+                '<a href="%s">%s</a></td>%s</tr>' % (
+                    esc(self._query_url(environ, "/", route=r["route"])),
+                    esc(r["route"]), "".join(
+                        '<td class="gq-num">%s</td>' % v for v in (
+                            r["requests"], r["errors"], r["sampled"],
+                            _ms(r["wall_p50"]), _ms(r["wall_p99"]),
+                            _ms(r["cpu"]), _ms(r["cpu_total"]),
+                            _ms(r["waiting"]), _ms(waiting_total),
+                            r["blocking"], _ms(r["blocked"])))))
+        heads = [("route", None), ("requests", "requests"),
+                 ("errors", None), ("sampled", None), ("p50", None),
+                 ("p99", "p99"), ("CPU/req", None), ("total CPU", "cpu"),
+                 ("waiting/req", None), ("total waiting", "waiting"),
+                 ("blocking", "blocking"), ("blocked", None)]
+        head = "".join(
+            '<th%s>%s</th>' % (
+                ' class="gq-num"' if i else "",
+                '<a href="%s">%s%s</a>' % (
+                    esc(self._query_url(environ, "/routes", sort=key)),
+                    name, " \u25bc" if key == sort else "")
+                if key else name)
+            for i, (name, key) in enumerate(heads))
+        table = ('<table class="gq-table gq-routes"><thead><tr>%s</tr>'
+                 '</thead><tbody>%s</tbody></table>' % (head, "".join(rows))
+                 if rows else '<p class="gq-note gq-empty">No requests '
+                 'yet.</p>')
+        css = asset("timeline.css")
+        csp = content_security_policy(styles=[css])
+        page = (
+            '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            '<meta name="referrer" content="no-referrer">'
+            '<meta name="viewport" content="width=device-width, '
+            'initial-scale=1"><title>greqprof routes</title>'
+            '<style>%s</style></head><body>'
+            '<header class="gq-top"><span class="gq-brand">greqprof</span>'
+            '<span>every request of this process since it started, by '
+            'route; CPU and waiting are estimated from the sampled '
+            'requests</span></header><main><h1>Routes (%d)</h1>'
+            '<div class="gq-list-actions"><a href="%s">\u2190 profiles</a>'
+            '</div>%s</main></body></html>' % (
+                css, len(rows), esc(self._url(environ, "/")), table))
+        return self._html_response(start_response, page, csp)
+
     def _list(self, environ, start_response):
         def esc(text, quote=True):
             # (clean first: a profile a sink or test built by hand may
@@ -340,7 +415,11 @@ class Inspector:
             # take the list down)
             return html.escape(clean(text), quote)
         rows = []
+        route = parse_qs(environ.get("QUERY_STRING", "")).get(
+            "route", [None])[0]
         for i, p in self.profiles():
+            if route is not None and getattr(p, "route", None) != route:
+                continue
             link = self._url(environ, "/p/%d" % i)
             blocked = len(p.blocking)
             rows.append(
@@ -383,13 +462,17 @@ class Inspector:
             '<span>development inspector: the last %d sampled requests of '
             'this process, newest first</span></header><main>'
             '<h1>Profiles (%d)</h1>'
-            '<div class="gq-list-actions"><a href="%s">Refresh</a>'
+            '<div class="gq-list-actions"><a href="%s">Refresh</a>%s'
             '<form method="post" action="%s">'
             '<input type="hidden" name="key" value="%s">'
             '<button type="submit" class="gq-clear">Clear</button></form>'
             '</div>%s</main></body></html>' % (
                 css, self.keep, len(rows),
                 esc(self._url(environ, "/"), quote=True),
+                (' <a href="%s">Routes</a>' % esc(self._url(
+                    environ, "/routes")) if self.routes is not None
+                 else "") + (' <span class="gq-note">route: %s</span>'
+                             % esc(route) if route is not None else ""),
                 esc(self._url(environ, "/clear"), quote=True),
                 esc(self._form_key, quote=True), table))
         return self._html_response(start_response, page, csp)

@@ -41,28 +41,45 @@ def _wake_finisher(eng):
     if not eng.reaper_started and not eng.abandoned:
         # (the reaper was killed: started again)
         eng.reaper_started = True
-        gevent.spawn(_reaper_main, eng)
+        gevent.spawn(_reaper_main, weakref.ref(eng))
     if fin is None or fin.dead:
-        eng.finisher = gevent.spawn(_finisher_loop, eng)
+        eng.finisher = gevent.spawn(_finisher_loop, weakref.ref(eng))
     elif eng.finisher_wake is not None:  # (else: not started yet)
         eng.finisher_wake.set()
 
 
-def drain_loop(mw, eng):
+# The background greenlets below hold their engine by a weak reference
+# (_live), never across a switch: once its thread ends they stay suspended
+# in that thread's hub for good, and must not keep the engine (its tracer,
+# its requests) alive for the life of the process.
+
+def _live(ref):
+    """The engine behind ref, or None once it is gone or abandoned."""
+    eng = ref()
+    return None if eng is None or eng.abandoned else eng
+
+
+def drain_loop(mw, ref):
     """Reports blocking spans of greenlets outside requests, once a
-    second (requests drain at their end)."""
+    second (requests drain at their end), and the routes summary line
+    when it is due."""
     import gevent
-    while not eng.abandoned:
+    while _live(ref) is not None:
         # (ref=False: this timer alone does not keep the loop running;
         # gevent.wait() returns once the app is idle, and the loop goes
         # on here when it runs again)
         gevent.sleep(1.0, ref=False)
+        eng = _live(ref)
+        if eng is None:
+            return
         try:
             blocking.drain(mw, eng)
             for m in list(eng.middlewares) or [mw]:
                 blocking.log_summaries(m)
+                m._routes_tick()
         except Exception as e:
             mw._internal_error("drain", e)
+        del eng
 
 
 def start_reaper(mw, eng):
@@ -71,7 +88,7 @@ def start_reaper(mw, eng):
         import gevent
         # Spawned from the hub so it belongs to no request.
         gevent.get_hub().loop.run_callback(gevent.spawn, _reaper_main,
-                                           eng)
+                                           weakref.ref(eng))
     except Exception as e:
         mw._internal_error("reaper", e)
 
@@ -102,7 +119,7 @@ def start_drain_loop(mw, eng):
         import gevent
         # Spawned from the hub so it belongs to no request.
         gevent.get_hub().loop.run_callback(
-            gevent.spawn, drain_loop, mw, eng)
+            gevent.spawn, drain_loop, mw, weakref.ref(eng))
     except Exception as e:
         mw._internal_error("drain", e)
 
@@ -113,50 +130,64 @@ def start_drain_loop(mw, eng):
 FINISH_BATCH_S = 0.01
 
 
-def _finisher_loop(eng):
+def _finisher_loop(ref):
     """Finishes queued profiles whose requests' greenlets are all done (or
     whose linger ran out); sleeps while nothing waits."""
     try:
-        _finish_pending_forever(eng)
+        _finish_pending_forever(ref)
     finally:
         # Killed, or failed: the next request queued wakes a new one.
-        eng.finisher_woken = False
+        eng = ref()
+        if eng is not None:
+            eng.finisher_woken = False
 
 
-def _finish_pending_forever(eng):
+def _finish_pending_forever(ref):
     import gevent
     from gevent.event import Event
-    eng.finisher_wake = Event()
-    while not eng.abandoned:
+    eng = _live(ref)
+    if eng is None:
+        return
+    wake = eng.finisher_wake = Event()
+    while eng is not None:
         # Up and about to look at `pending`: nobody needs to wake it.
         eng.finisher_woken = True
         # (in C: finalizes the queued requests that are done)
         waiting = _registry.finish_pending(eng, eng.pending,
                                            _lowlevel.wall_ns())
+        eng = None   # (not held while suspended)
         if waiting == 2:
             # Requests seen queued for the first time: the start callbacks
             # of children they spawned run before this greenlet's next
             # turn, then they are looked at again (once per round: more
             # first looks wait for the next round).
             gevent.sleep(0)
+            eng = _live(ref)
+            if eng is None:
+                return
             waiting = _registry.finish_pending(eng, eng.pending,
                                                _lowlevel.wall_ns())
+            eng = None
         if waiting == 1:
             # (a timer that keeps the loop running: a profile waiting for
             # its request's greenlets, at most `linger`, is delivered
             # before gevent.wait() returns; idle, the finisher waits on
             # an Event, which does not)
             gevent.sleep(0.005)
+            eng = _live(ref)
             continue
         gevent.sleep(FINISH_BATCH_S)
-        if eng.pending:
+        eng = _live(ref)
+        if eng is None or eng.pending:
             continue
         eng.finisher_woken = False
-        eng.finisher_wake.clear()
-        eng.finisher_wake.wait()
+        wake.clear()
+        eng = None
+        wake.wait()
+        eng = _live(ref)
 
 
-def _reaper_main(eng):
+def _reaper_main(ref):
     """The reaper greenlet: _reaper_loop, gone on with after a
     BaseException that is not an Exception, nor an exit (a sink's
     gevent.Timeout: the request it came from is released by then).
@@ -164,18 +195,20 @@ def _reaper_main(eng):
     in Python or the finisher's next wake."""
     import gevent
     try:
-        while not eng.abandoned:
+        while _live(ref) is not None:
             try:
-                _reaper_loop(eng)
+                _reaper_loop(ref)
             except (gevent.GreenletExit, SystemExit, KeyboardInterrupt):
                 raise
             except BaseException:
                 pass
     finally:
-        eng.reaper_started = False
+        eng = ref()
+        if eng is not None:
+            eng.reaper_started = False
 
 
-def _reaper_loop(eng):
+def _reaper_loop(ref):
     """Closes, in the engine's thread, the profiles open longer than
     their middleware's max_lifetime (checked a few times per lifetime, at
     least once a second).  Each request is truncated on its own: an error
@@ -183,12 +216,18 @@ def _reaper_loop(eng):
     Exception goes on once that request is released (the rest wait for
     the next round)."""
     import gevent
-    while not eng.abandoned:
+    req = None
+    while True:
+        eng = _live(ref)
+        if eng is None:
+            return
         lifetimes = [mw._max_lifetime for mw in list(eng.middlewares)]
+        eng = mw = req = None   # (not held while suspended)
         # (ref=False, as the drain loop's: while a request is open,
         # something else keeps the loop running)
         gevent.sleep(min([1.0] + [t / 4 for t in lifetimes]), ref=False)
-        if eng.abandoned or not eng.profile_requests:
+        eng = _live(ref)
+        if eng is None or not eng.profile_requests:
             continue
         if eng.pending and not eng.finisher_woken:
             # (a request finished from another thread was queued here

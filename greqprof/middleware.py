@@ -5,8 +5,9 @@ import math
 import os
 import random
 import socket
+from time import monotonic as _monotonic
 
-from . import _collect, _registry, blocking, logs, loops, policy, sampler
+from . import _collect, _registry, blocking, logs, loops, policy, routes, sampler
 from ._lowlevel import RequestRawProfile
 from . import engine as _engine
 from .engine import engine_for_thread
@@ -89,6 +90,21 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     :param profile_dir: write every profile to this directory, one file
         per format in ``formats`` (default ``["json"]``; any renderer name,
         see docs/viewing.md), named ``<UTC time>-<pid>-<path>-<n>.<ext>``.
+    :param route: a callable ``environ -> str`` naming a request's route
+        when the framework gave no template (Flask's is read by itself;
+        Django: ``greqprof.routes.DjangoRouteMiddleware``) and
+        ``greqprof.set_route`` was not called; None (default): the path,
+        id-like segments replaced by ``{id}``.
+    :param max_routes: routes kept by :meth:`routes` (default 500); the
+        requests of further routes are counted under ``"<other>"``.
+    :param summary_s: every this many seconds, when requests ran, log
+        one INFO line with the top routes by total CPU and by p99 (default
+        60; None: off).
+    :param metrics_path: serve Prometheus metrics of the routes under
+        this path (e.g. ``"/_greqprof/metrics"``; off unless set; needs
+        ``greqprof[prometheus]``), with the inspector's access rules
+        (``ui_allow``, ``ui_token``, ``ui_hosts``; loopback only without
+        them); docs/fleet.md.
     :param ui_path: serve the development inspector under this path (e.g.
         ``"/_greqprof"``); requests there go to it instead of the app.
         Off unless set.  Only loopback clients may use it unless
@@ -108,7 +124,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                  ui_token=None, ui_keep=50, ui_hosts=None, otel=UNSET,
                  otel_spans=UNSET, observers=(), environ=None,
                  max_lifetime=60.0, blocking_interval=UNSET,
-                 json_max_bytes=UNSET, stack_hz=UNSET):
+                 json_max_bytes=UNSET, stack_hz=UNSET, route=None,
+                 max_routes=UNSET, summary_s=UNSET, metrics_path=UNSET):
         if not callable(app):
             raise ConfigError("app must be a WSGI callable, got %r" % (app,))
         self.app = app
@@ -121,7 +138,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             linger=linger, profile_dir=profile_dir, formats=formats,
             otel=otel, otel_spans=otel_spans,
             blocking_interval=blocking_interval,
-            json_max_bytes=json_max_bytes, stack_hz=stack_hz), environ)
+            json_max_bytes=json_max_bytes, stack_hz=stack_hz,
+            max_routes=max_routes, summary_s=summary_s,
+            metrics_path=metrics_path), environ)
         self.enabled = opts["enabled"]
         pct, calls, clock = opts["pct"], opts["calls"], opts["clock"]
         blocking_ms, logger = opts["blocking_ms"], opts["logger"]
@@ -171,10 +190,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                           "blocking_not_logged": 0}
             # -- profile files and the dev inspector (docs/viewing.md) --------
             from .inspector import ProfileOutputs
+            metrics_path = config.check("metrics_path",
+                                        opts["metrics_path"])
+            # (the access options serve the metrics page without ui_path)
+            ui = ui_path is not None or metrics_path is None
             self._outputs = ProfileOutputs.create(
                 self.config.calls, profile_dir=profile_dir, formats=formats,
-                ui_path=ui_path, ui_allow=ui_allow, ui_token=ui_token,
-                ui_keep=ui_keep, ui_hosts=ui_hosts)
+                ui_path=ui_path, ui_allow=ui_allow if ui else None,
+                ui_token=ui_token if ui else None,
+                ui_keep=ui_keep, ui_hosts=ui_hosts if ui else None)
             self.inspector = self._outputs.ui if self._outputs else None
             # The C part runs unsampled requests (_fastpath.c) and the
             # common sampled ones (_sampled.c) by itself; the rest comes
@@ -190,6 +214,30 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._finalize_setup(RequestProfile, _collect.request_records,
                                  cfg.clock, self.hostname)
             self._lifecycle_setup(bool(self.observers))
+            # -- per-route aggregates of every request (docs/fleet.md) -------
+            config.check("route", route)
+            self._routes = routes.RouteAggregates(
+                _registry.RouteCounts, config.check(
+                    "max_routes", opts["max_routes"]), route)
+            # (Flask's matched url_rule names its requests when Flask is
+            # imported by then, as with app.wsgi_app = ...(app.wsgi_app))
+            routes.install_flask_hook()
+            self._routes_setup(self._routes.counts)
+            if self.inspector is not None:
+                self.inspector.routes = self._routes
+            self.metrics = None
+            self.metrics_path = metrics_path
+            if metrics_path is not None:
+                from .inspector import Inspector
+                from .metrics import Metrics
+                gate = Inspector(metrics_path, ui_allow=ui_allow,
+                                 ui_token=ui_token, ui_keep=1,
+                                 ui_hosts=ui_hosts)
+                self.metrics = Metrics(self._routes, gate.allowed)
+                self._routes.counts.set_metrics(gate.path, self.metrics)
+            self.summary_s = config.check("summary_s", opts["summary_s"])
+            self._summary_next = _monotonic() + (self.summary_s or 0)
+            self._summary_seen = 0
 
         try:
             configure()
@@ -294,6 +342,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if req is None:
             return self.app(environ, start_response)
         if req is _INSPECTOR:
+            try:
+                environ["greqprof.no_route"] = True   # (nor counted)
+            except Exception:
+                pass
             return self.inspector(environ, start_response)  # not profiled
         return self._call_profiled(req, environ, start_response)
 
@@ -453,7 +505,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if self._engine is not eng:
             eng.middlewares.add(self)
             self._engine = eng
-        if self.config.blocking_ns and not eng.drain_started:
+        if (self.config.blocking_ns or self.summary_s or self.metrics) \
+                and not eng.drain_started:
             loops.start_drain_loop(self, eng)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
@@ -496,6 +549,63 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         """(the C lifecycle calls it) Reports this thread's queued long
         spans: blocking.drain."""
         blocking.drain(self, eng)
+
+    def routes(self):
+        """Per-route aggregates of every request since the middleware
+        started, most requests first: plain dicts with ``route``,
+        ``requests``, ``errors`` (5xx or an exception), ``status`` (per
+        class), ``sampled``, ``wall_mean``, ``wall_max``, ``wall_p50``,
+        ``wall_p95``, ``wall_p99`` (seconds; quantiles within 4.4 %),
+        ``cpu``, ``waiting`` (seconds per request, estimated from the
+        sampled requests; None until one was), ``cpu_total``,
+        ``blocking``, ``blocked`` (docs/fleet.md)."""
+        return self._routes.to_records()
+
+    def _routes_tick(self, now=None):
+        """(the drain loop calls it once a second) Logs the routes summary
+        when summary_s has passed and requests ran since the last one."""
+        if self.metrics is not None:
+            try:
+                self.metrics.sync()
+            except Exception as e:
+                self._internal_error("metrics", e)
+        if not self.summary_s:
+            return
+        now = _monotonic() if now is None else now
+        if now < self._summary_next:
+            return
+        self._summary_next = now + self.summary_s
+        records = self._routes.to_records()
+        total = sum(r["requests"] for r in records)
+        if total == self._summary_seen:
+            return
+        ran, self._summary_seen = total - self._summary_seen, total
+        log = self.log
+        logs.ensure_visible(log)
+        if not (log.isEnabledFor(logging.INFO) and logs.would_emit(log)):
+            return
+        log.info(routes.summary_line(records, ran, self.summary_s,
+                                     self.pid, self.json_logs))
+
+    def _route_sampled(self, route, profile):
+        """(C calls it) A delivered sampled profile of ``route``: its CPU,
+        waiting, wait sites and blocking added to the route, read from its
+        raw data when it is still deferred (not built for this)."""
+        try:
+            # (the inspector lists a route's profiles by it)
+            profile.route = routes._name(route)
+            loader = profile.__dict__.get("_loader")
+            if loader is not None:
+                cpu, waiting, waits = _collect.route_numbers(loader[1])
+            else:
+                cpu, waiting = profile.cpu, profile.waiting.seconds
+                waits = [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
+                          w.seconds) for w in profile.waits]
+            self._routes.add_sampled(
+                route, cpu, waiting, len(profile.blocking),
+                sum(ev.wall for ev in profile.blocking), waits)
+        except Exception as e:
+            self._internal_error("routes", e)
 
     def _deliver(self, profile):
         # (logging, rendering, sinks and files are greqprof's work, in

@@ -16,20 +16,25 @@ Names are clean text (greqprof/_text.py) of at most ``MAX_ROUTE``
 characters.  :class:`RouteTable` keeps at most ``max_routes`` of them;
 requests of any further route are counted under ``OTHER``.
 
-Pure Python and standalone: nothing here runs per greenlet switch or per
-function call, and nothing here is wired into the middleware yet."""
-import contextvars
+Nothing here runs per greenlet switch or per function call.  The
+middleware counts every request in C (greqprof/_routes.c: requests,
+errors, status classes, the wall histogram below) and calls the namer
+here only for what C does not name itself; :class:`RouteAggregates` joins
+those counts with what sampled requests and blocking events add."""
 import math
 import re
 import sys
 import threading
 from array import array
 
+from greenlet import getcurrent
+
 from ._text import clean
 
 __all__ = ["set_route", "path_route", "framework_route", "RouteNamer",
            "RouteTable", "RouteStats", "WallHistogram", "DjangoRouteMiddleware",
-           "install_flask_hook", "ROUTE_KEY", "OTHER", "ID", "MAX_ROUTE",
+           "install_flask_hook", "RouteAggregates", "take_route",
+           "ROUTE_KEY", "OTHER", "ID", "MAX_ROUTE",
            "MAX_ROUTES"]
 
 #: environ key under which a framework hook leaves the route template
@@ -63,48 +68,39 @@ def _name(text):
 
 
 # ---------------------------------------------------------------------------
-# set_route: a per-request slot the app writes and the middleware reads
+# set_route: a name per greenlet, taken by the request it serves
 
-class RouteSlot:
-    """Where ``set_route`` leaves the name of the request being served."""
-    __slots__ = ("name",)
-
-    def __init__(self):
-        self.name = None
-
-
-_slot = contextvars.ContextVar("greqprof_route_slot", default=None)
-
-
-def open_slot():
-    """Called by the middleware when a request starts: (slot, token).  The
-    middleware reads ``slot.name`` when the request ends and passes the
-    token to :func:`close_slot`."""
-    slot = RouteSlot()
-    return slot, _slot.set(slot)
-
-
-def close_slot(token):
-    _slot.reset(token)
+#: greenlet -> the name set_route gave its request; the middleware takes
+#: it (in C) when the request ends, so nothing is paid per request while
+#: nobody calls set_route
+_named = {}
+#: bound of _named: names set where no request ever takes them (outside
+#: any middleware) are dropped past it
+_MAX_NAMED = 10000
 
 
 def set_route(name):
-    """Names the route of the request being served (it wins over every
-    other way of naming it).  Call it from the greenlet (or thread) that
-    serves the request: greenlets the request spawned start with an empty
-    context and do not see the request.  Returns True when a request took
-    the name, False outside a request.  TypeError/ValueError for a name
-    that is not a non-empty str."""
+    """Names the route of the request the calling greenlet (or thread)
+    serves: it wins over every other way of naming it.  The middleware
+    takes the name when the request ends.  Call it from the greenlet that
+    serves the request (the one that called the app): a name set from a
+    greenlet the request spawned does not name it.  Returns True.
+    TypeError/ValueError for a name that is not a non-empty str."""
     if not isinstance(name, str):
         raise TypeError("set_route: the route name must be a str, got %s"
                         % type(name).__name__)
     if not name:
         raise ValueError("set_route: the route name must not be empty")
-    slot = _slot.get()
-    if slot is None:
-        return False
-    slot.name = _name(name)
+    if len(_named) >= _MAX_NAMED:
+        _named.clear()   # (names no request took: bounded memory)
+    _named[getcurrent()] = _name(name)
     return True
+
+
+def take_route(greenlet=None):
+    """The name set_route gave the request of ``greenlet`` (default: the
+    calling one), removed; None when there is none."""
+    return _named.pop(getcurrent() if greenlet is None else greenlet, None)
 
 
 # ---------------------------------------------------------------------------
@@ -166,7 +162,8 @@ def framework_route(environ):
 
 
 class RouteNamer:
-    """``namer(environ, slot=None)`` -> the route name of a request (see
+    """``namer(environ, slot=None)`` -> the route name of a request
+    (``slot``: a name set_route gave it, which wins; see
     the module's docstring for the order).  ``route`` is the ``route=``
     option: a callable ``environ -> str`` or None; when it raises or
     returns something other than a str or None, the path is used and
@@ -181,8 +178,8 @@ class RouteNamer:
         self.last_error = None
 
     def __call__(self, environ, slot=None):
-        if slot is not None and slot.name:
-            return slot.name
+        if slot is not None:
+            return slot
         name = framework_route(environ)
         if name:
             return name
@@ -338,7 +335,7 @@ class RouteStats:
     ``waiting_sum`` are over the ``sampled`` requests only."""
     __slots__ = ("route", "requests", "errors", "wall", "sampled",
                  "cpu_sum", "cpu_n", "waiting_sum", "waiting_n", "blocking",
-                 "blocked")
+                 "blocked", "status")
 
     def __init__(self, route):
         self.route = route
@@ -455,3 +452,198 @@ class RouteTable:
             records = [st.to_record() for st in self._routes.values()]
         records.sort(key=lambda r: (-r["requests"], r["route"]))
         return records
+
+
+#: wait sites kept per route (the smallest give way), and shown
+MAX_WAIT_SITES = 50
+TOP_WAIT_SITES = 5
+
+
+class RouteAggregates:
+    """A middleware's per-route aggregates since it started: ``counts``
+    (a ``RouteCounts`` in C: every request's status, error and wall time,
+    at most ``max_routes`` routes plus ``OTHER``) joined with what the
+    sampled requests and blocking events add, kept here per route under
+    the same bound."""
+
+    def __init__(self, counts_type, max_routes=MAX_ROUTES, route=None):
+        if isinstance(max_routes, bool) or not isinstance(max_routes, int) \
+                or max_routes < 1:
+            raise ValueError("max_routes must be an int >= 1, got %r"
+                             % (max_routes,))
+        self.max_routes = max_routes
+        self.namer = RouteNamer(route)
+        self.counts = counts_type(max_routes, self._name_environ, _named,
+                                  getcurrent, route is None)
+        self._extra = {}   # route -> RouteStats (sampled part, blocking)
+        self._waits = {}   # route -> {wait site: seconds}, sampled
+        self._lock = threading.Lock()
+        #: blocking events and their seconds, all requests and none
+        self.blocking = 0
+        self.blocked = 0.0
+
+    def _name_environ(self, environ):
+        # (called from C; never raises: a failing route= is counted)
+        try:
+            return self.namer(environ)
+        except Exception:
+            self.namer.errors += 1
+            return OTHER
+
+    def _stats(self, route):
+        st = self._extra.get(route)
+        if st is None:
+            if len(self._extra) >= self.max_routes:
+                route = OTHER
+                st = self._extra.get(OTHER)
+            if st is None:
+                st = self._extra[route] = RouteStats(route)
+        return st
+
+    def add_sampled(self, route, cpu, waiting, blocking=0, blocked=0.0,
+                    waits=()):
+        """A sampled request of ``route`` (its raw name) was delivered;
+        ``waits``: its (site, seconds) pairs."""
+        route = _name(route) or OTHER
+        with self._lock:
+            st = self._stats(route)
+            if waits:
+                sites = self._waits.setdefault(st.route, {})
+                for site, seconds in waits:
+                    if site not in sites and len(sites) >= MAX_WAIT_SITES:
+                        low = min(sites, key=sites.get)
+                        if sites[low] >= seconds:
+                            continue
+                        del sites[low]   # (the smallest makes room)
+                    sites[site] = sites.get(site, 0.0) + seconds
+            st.sampled += 1
+            if cpu is not None:
+                st.cpu_sum += cpu
+                st.cpu_n += 1
+            if waiting is not None:
+                st.waiting_sum += waiting
+                st.waiting_n += 1
+            st.blocking += blocking
+            st.blocked += blocked
+
+    def add_blocking(self, route, seconds):
+        """A blocking event of an unsampled request of ``route`` (None:
+        of no request)."""
+        with self._lock:
+            self.blocking += 1
+            self.blocked += seconds
+            if route is not None:
+                st = self._stats(_name(route) or OTHER)
+                st.blocking += 1
+                st.blocked += seconds
+
+    def count_blocking(self, seconds):
+        """A sampled request's blocking event: counted in the totals now,
+        by its route when its profile is delivered."""
+        with self._lock:
+            self.blocking += 1
+            self.blocked += seconds
+
+    def _merged(self):
+        merged = {}
+        for route, req, err, classes, hist, total, lo, hi in \
+                self.counts.snapshot():
+            name = _name(route) or OTHER
+            st = merged.get(name)
+            if st is None:
+                st = merged[name] = RouteStats(name)
+                st.status = [0] * 6
+            st.requests += req
+            st.errors += err
+            st.status = [a + b for a, b in zip(st.status, classes)]
+            w = st.wall
+            for i, c in enumerate(array("Q", hist)):
+                if c:
+                    w.counts[i] += c
+            w.n += req
+            w.total += total
+            if req:
+                w.min = min(w.min, lo)
+                w.max = max(w.max, hi)
+        with self._lock:
+            extra = list(self._extra.values())
+        for ex in extra:
+            st = merged.get(ex.route)
+            if st is None:   # (blocking outside any counted request)
+                st = merged[ex.route] = RouteStats(ex.route)
+                st.status = [0] * 6
+            for k in ("sampled", "cpu_sum", "cpu_n", "waiting_sum",
+                      "waiting_n", "blocking", "blocked"):
+                setattr(st, k, getattr(st, k) + getattr(ex, k))
+        return merged
+
+    def _record(self, st):
+        rec = st.to_record()
+        rec["status"] = dict(zip(("1xx", "2xx", "3xx", "4xx", "5xx",
+                                  "other"), st.status))
+        with self._lock:
+            sites = dict(self._waits.get(st.route, ()))
+        top = sorted(sites.items(), key=lambda kv: -kv[1])[:TOP_WAIT_SITES]
+        rec["wait_sites"] = [
+            {"site": site, "seconds": sec,
+             "per_request": sec / st.sampled if st.sampled else None}
+            for site, sec in top]
+        return rec
+
+    def to_records(self):
+        """One plain dict per route (RouteTable.to_records' keys, plus
+        ``status``: requests per status class, "1xx".."5xx", "other", and
+        ``wait_sites``: the top sites where the sampled requests waited,
+        ``site``, ``seconds`` summed, ``per_request`` per sampled
+        request), most requests first."""
+        records = [self._record(st) for st in self._merged().values()]
+        records.sort(key=lambda r: (-r["requests"], r["route"]))
+        return records
+
+    def records_and_histograms(self):
+        """[(record with ``cpu_sum`` and ``cpu_n`` besides, the wall
+        histogram's counts)] (for greqprof/metrics.py)."""
+        out = []
+        for st in self._merged().values():
+            rec = self._record(st)
+            rec["cpu_sum"], rec["cpu_n"] = st.cpu_sum, st.cpu_n
+            out.append((rec, st.wall.counts))
+        return out
+
+
+#: routes named in each list of the summary line
+SUMMARY_TOP = 5
+
+
+def summary_line(records, ran, period, pid=0, as_json=False):
+    """The periodic summary of ``records`` (to_records()): ``ran``
+    requests in the last ``period`` seconds, the top routes by total CPU
+    (estimated from the sampled requests) and by p99 wall time, both since
+    start.  Text, or one JSON object (``schema`` "greqprof.routes/1")."""
+    by_cpu = sorted((r for r in records if r["cpu_total"] is not None),
+                    key=lambda r: -r["cpu_total"])[:SUMMARY_TOP]
+    by_p99 = sorted((r for r in records if r["wall_p99"] is not None),
+                    key=lambda r: -r["wall_p99"])[:SUMMARY_TOP]
+    if as_json:
+        import json
+        return json.dumps({
+            "schema": "greqprof.routes/1", "pid": pid, "period_s": period,
+            "requests_in_period": ran,
+            "requests": sum(r["requests"] for r in records),
+            "routes": len(records),
+            "top_cpu": [{k: r[k] for k in ("route", "cpu_total", "cpu",
+                                           "sampled", "requests")}
+                        for r in by_cpu],
+            "top_p99": [{k: r[k] for k in ("route", "wall_p99", "requests",
+                                           "errors")} for r in by_p99]},
+            ensure_ascii=False, allow_nan=False)
+    cpu = ", ".join("%s %.3f s (%.2f ms x %d, %d sampled)" % (
+        r["route"], r["cpu_total"], r["cpu"] * 1e3, r["requests"],
+        r["sampled"]) for r in by_cpu) or "none sampled yet"
+    p99 = ", ".join("%s %.1f ms (%d requests)" % (
+        r["route"], r["wall_p99"] * 1e3, r["requests"]) for r in by_p99)
+    return ("greqprof routes [pid %d]: %d requests in the last %g s, %d "
+            "since start over %d routes; top total CPU since start "
+            "(estimated): %s; top p99: %s" % (
+                pid, ran, period, sum(r["requests"] for r in records),
+                len(records), cpu, p99))

@@ -89,6 +89,7 @@ struct gqp_tracer {
     int cpu_mode;
     int call_clock;
     int64_t window;
+    int64_t others_window;  /* 0: window (GQP_TRACER_CPU_WINDOW_OTHERS_NS) */
     int64_t long_ns;
     uint32_t max_depth;
     size_t max_greenlets;
@@ -120,6 +121,10 @@ struct gqp_tracer {
     size_t tomb_next;
     gqp__map tmap;          /* key -> index + 1 of its tomb */
 
+    /* Greenlets attached to a profile.  While there are none (and no
+     * default or session profile), nobody's waiting time is being
+     * measured: spans go to no profile and skip the history. */
+    size_t attached;
     hist_entry *hist;
     size_t hist_cap, hist_len, hist_head;
     uint64_t hist_overwritten_end; /* end of the newest entry overwritten */
@@ -180,11 +185,12 @@ GQP_API int gqp_tracer_new(gqp_tracer **out)
 
 /* Points g's spans at p (may be NULL), keeping references and the
  * profiles' attached counts right. */
-static void set_profile(gqp__greenlet *g, gqp_profile *p)
+static void set_profile(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p)
 {
     if (p == g->profile) {
         return;
     }
+    t->attached += (p != NULL) - (g->profile != NULL);
     g->wait_pending = false; /* a wait is charged only where it began */
     if (p) {
         gqp_profile_retain(p);
@@ -217,10 +223,10 @@ static void shadow_free(gqp__greenlet *g)
     }
 }
 
-static void greenlet_release(gqp__greenlet *g)
+static void greenlet_release(gqp_tracer *t, gqp__greenlet *g)
 {
     shadow_free(g);
-    set_profile(g, NULL);
+    set_profile(t, g, NULL);
     set_spawn(g, NULL);
     gqp__free(g->stack);
     gqp__map_free(&g->rec);
@@ -234,7 +240,7 @@ GQP_API void gqp_tracer_free(gqp_tracer *t)
     }
     for (size_t i = 0; i < t->gmap.cap; i++) {
         if (t->gmap.keys[i]) {
-            greenlet_release((gqp__greenlet *)(uintptr_t)t->gmap.vals[i]);
+            greenlet_release(t, (gqp__greenlet *)(uintptr_t)t->gmap.vals[i]);
         }
     }
     gqp__map_free(&t->gmap);
@@ -265,6 +271,11 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         t->long_ns = value;
         return GQP_OK;
     }
+    if (param == GQP_TRACER_CPU_WINDOW_OTHERS_NS) {
+        if (value < 0) return GQP_ERANGE;
+        t->others_window = value;
+        return GQP_OK;
+    }
     if (param == GQP_TRACER_CPU_WINDOW_NS) {
         /* Only compared with the age of the last reading: may change at any
          * time; a smaller window takes effect at the next event. */
@@ -292,6 +303,7 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         return GQP_OK;
     case GQP_TRACER_LONG_SPAN_NS:  /* handled above */
     case GQP_TRACER_CPU_WINDOW_NS:
+    case GQP_TRACER_CPU_WINDOW_OTHERS_NS:
         return GQP_EINVAL;
     case GQP_TRACER_MAX_DEPTH:
         if (value < 1 || value > (1 << 24)) return GQP_ERANGE;
@@ -334,6 +346,7 @@ GQP_API int gqp_tracer_get(const gqp_tracer *t, gqp_tracer_param param,
     case GQP_TRACER_MAX_DEPTH: *value = t->max_depth; return GQP_OK;
     case GQP_TRACER_MAX_GREENLETS: *value = (int64_t)t->max_greenlets; return GQP_OK;
     case GQP_TRACER_HISTORY: *value = (int64_t)t->hist_cap; return GQP_OK;
+    case GQP_TRACER_CPU_WINDOW_OTHERS_NS: *value = t->others_window; return GQP_OK;
     }
     return GQP_EINVAL;
 }
@@ -398,7 +411,16 @@ GQP_API int gqp_tracer_set_session(gqp_tracer *t, gqp_profile *p)
  * real clock it advances with wall time; each reading puts it back on the
  * real clock (it may step back), so its error never exceeds the off-CPU time
  * within one window. */
+static inline int64_t cpu_at_within(gqp_tracer *t, int64_t now, bool force,
+                                    int64_t window);
+
 static inline int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
+{
+    return cpu_at_within(t, now, force, t->window);
+}
+
+static inline int64_t cpu_at_within(gqp_tracer *t, int64_t now, bool force,
+                                    int64_t window)
 {
     if (!t->est_init) {
         int64_t c = t->cpu_fn(t->clock_ctx);
@@ -413,7 +435,7 @@ static inline int64_t cpu_at(gqp_tracer *t, int64_t now, bool force)
         t->L += gap;
         t->last_wall = now;
     }
-    if (force || now - t->sync_wall >= t->window) {
+    if (force || now - t->sync_wall >= window) {
         t->L = t->cpu_fn(t->clock_ctx);
         t->sync_wall = now;
     }
@@ -614,7 +636,7 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
         t->cur = NULL;
     }
     shadow_free(g);
-    set_profile(g, NULL);
+    set_profile(t, g, NULL);
     set_spawn(g, NULL);
     gqp__free(g->stack);
     gqp__map_free(&g->rec);
@@ -646,7 +668,7 @@ static inline gqp_profile *effective(gqp_tracer *t, gqp__greenlet *g)
 static gqp_profile *effective_slow(gqp_tracer *t, gqp__greenlet *g)
 {
     if (g->profile && g->profile->closed) {
-        set_profile(g, NULL);
+        set_profile(t, g, NULL);
     }
     gqp_profile *p = g->profile;
     if (!p && t->deflt && !t->deflt->closed) {
@@ -718,7 +740,10 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
         s.flags |= GQP_SPAN_LONG;
         ev |= GQP_EV_LONG_SPAN;
     }
-    gqp_profile *p = effective(t, g);
+    /* (an unattached greenlet with no stack to drop goes to no profile:
+     * the common case of a server's unsampled requests) */
+    gqp_profile *p = g->profile || t->deflt || g->stack_serial
+                         ? effective(t, g) : NULL;
     size_t idx = SIZE_MAX;
     if (p) {
         bool dropped;
@@ -730,7 +755,9 @@ static int close_span(gqp_tracer *t, gqp__greenlet *g, int64_t now, int64_t L,
     if (t->session && t->session != p) {
         session_span(t, g, &s);
     }
-    history_push(t, &s, p ? p->serial : 0);
+    if (p || t->attached || t->session) {
+        history_push(t, &s, p ? p->serial : 0);
+    }
     if (p != t->last_profile) {
         /* Switches mostly stay within one profile: skip the atomics. */
         if (p) {
@@ -792,6 +819,14 @@ static inline int64_t span_clock(gqp_tracer *t, int64_t now)
     return cpu_at(t, now, t->cpu_mode == GQP_CPU_EXACT);
 }
 
+/* The wider window of greenlets in no profile, or 0 when every span gets
+ * the narrow one. */
+static inline int64_t others_window(const gqp_tracer *t)
+{
+    return t->cpu_mode == GQP_CPU_ESTIMATE && t->others_window > t->window
+           && !t->deflt && !t->session ? t->others_window : 0;
+}
+
 /* Pops every frame of g into its profile at greenlet clock `gnow`. */
 static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
                    int64_t gnow);
@@ -809,12 +844,17 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
     }
     int ev = 0;
     int64_t now = wall_now(t);
-    int64_t L = span_clock(t, now);
     gqp__greenlet *g = t->cur;
     if (from != 0 && (!g || g->key != from)) {
         /* We missed a switch (or tracing started elsewhere): trust `from`. */
         g = lookup(t, from);
     }
+    /* (a span of a greenlet in no profile may take the wider window, at
+     * both ends: see GQP_TRACER_CPU_WINDOW_OTHERS_NS) */
+    int64_t wide = others_window(t);
+    bool narrow = !wide || (g && g == t->cur && g->profile);
+    int64_t L = narrow ? span_clock(t, now)
+                       : cpu_at_within(t, now, false, wide);
     if (g && g == t->cur) {
         bool dead = flags & GQP_SWITCH_FROM_DEAD;
         ev |= close_span(t, g, now, L, dead ? GQP_SPAN_FINISHED : 0);
@@ -847,6 +887,9 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
         ev |= GQP_EV_NEW_GREENLET;
     } else if (n->wait_pending) {
         end_wait(n, now);
+    }
+    if (!narrow && (n->profile || (ev & GQP_EV_NEW_GREENLET))) {
+        L = span_clock(t, now); /* (its span starts with the narrow one) */
     }
     start_span(t, n, now, L);
     if (from == 0) {
@@ -1214,7 +1257,7 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
         discard_frames(t, g); /* a paused greenlet's frames */
     }
     shadow_reset(g, t->session);
-    set_profile(g, p);
+    set_profile(t, g, p);
     set_spawn(g, NULL);
     gqp_profile *eff = effective(t, g);
     reset_stack(g, eff ? eff->generation : 0);
@@ -1251,7 +1294,7 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
         }
     }
     if (cg && cg != pg) {
-        set_profile(cg, p && !p->closed ? p : NULL);
+        set_profile(t, cg, p && !p->closed ? p : NULL);
     }
     gqp_profile_free(p);
     return rc;

@@ -102,6 +102,9 @@ READ = {
         lambda mw: mw._blocking_sites.interval, 10.0),
     "GREQPROF_JSON_MAX_BYTES": (lambda mw: mw.json_max_bytes, 65536),
     "GREQPROF_STACK_HZ": (lambda mw: mw._stack_hz, 100.0),
+    "GREQPROF_MAX_ROUTES": (lambda mw: mw._routes.max_routes, 500),
+    "GREQPROF_SUMMARY_S": (lambda mw: mw.summary_s, 60.0),
+    "GREQPROF_METRICS_PATH": (lambda mw: mw.metrics_path, None),
 }
 
 SECRET = "s3cret-value-42"
@@ -157,6 +160,12 @@ VALID = [
     ("GREQPROF_JSON_MAX_BYTES", "16000", {}, 16000),
     ("GREQPROF_STACK_HZ", "100", {}, 100.0),
     ("GREQPROF_STACK_HZ", "off", {}, 0),
+    ("GREQPROF_MAX_ROUTES", "20", {}, 20),
+    ("GREQPROF_SUMMARY_S", "300", {}, 300.0),
+    ("GREQPROF_SUMMARY_S", "off", {}, None),
+    ("GREQPROF_SUMMARY_S", "0", {}, None),
+    ("GREQPROF_METRICS_PATH", "/_greqprof/metrics", {},
+     "/_greqprof/metrics"),
 ]
 
 HAVE_OTEL = True
@@ -231,6 +240,10 @@ INVALID = [
     ("GREQPROF_JSON_MAX_BYTES", "100"), ("GREQPROF_JSON_MAX_BYTES", "64k"),
     ("GREQPROF_STACK_HZ", "-1"), ("GREQPROF_STACK_HZ", "1001"),
     ("GREQPROF_STACK_HZ", "fast"),
+    ("GREQPROF_MAX_ROUTES", "0"), ("GREQPROF_MAX_ROUTES", "1e9"),
+    ("GREQPROF_SUMMARY_S", "0.01"), ("GREQPROF_SUMMARY_S", "1m"),
+    ("GREQPROF_METRICS_PATH", "metrics"),
+    ("GREQPROF_METRICS_PATH", "/a/../metrics"),
 ]
 
 @pytest.mark.parametrize("var,raw", INVALID,

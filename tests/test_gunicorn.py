@@ -618,3 +618,64 @@ def test_otel_traces_from_both_workers(start, tmp_path):
              if kv.key == "service.name"}
     assert names == {"greqprof-gunicorn-test"}
     assert set(reports) == set(servers)
+
+
+# ---------------------------------------------------------------------------
+# issue 21: every request counted by its Flask route in each worker, read
+# from the periodic JSON summary lines
+
+FLASK_ROUTES_APP = '''
+import flask
+
+app = flask.Flask("gunicorn_routes")
+
+
+@app.route("/items/<int:item_id>")
+def item(item_id):
+    return "item %d" % item_id
+
+
+@app.route("/fail")
+def fail():
+    flask.abort(503)
+'''
+
+
+def test_flask_routes_counted_in_both_workers(start, tmp_path):
+    pytest.importorskip("flask")   # (a test extra: pyproject)
+    (tmp_path / "flaskroutes.py").write_text(FLASK_ROUTES_APP)
+    g = Gunicorn(str(tmp_path), ["--pythonpath", str(tmp_path)], env={
+        "GREQPROF_PCT": "0.2", "GREQPROF_SUMMARY_S": "0.3",
+        "GREQPROF_JSON_LOGS": "1", "PROFILE_LOG_FILE": "{tmp}/greqprof.jsonl",
+        "GREQPROF_BLOCKING_MS": "off"}, app="flaskroutes:app")
+    sent = 0
+    try:
+        g.wait_ready()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(
+                lambda i: get(g.port, "/items/%d" % i if i % 5 else "/fail",
+                              "r-%d" % i), range(80)))
+        sent = len(statuses)
+        assert statuses.count(503) == 16 and statuses.count(200) == 64
+
+        def latest():
+            last = {}
+            for d in g.json_lines():
+                if d.get("schema") == "greqprof.routes/1":
+                    last[d["pid"]] = d
+            return last
+        wait(lambda: sum(d["requests"] for d in latest().values()) == sent,
+             "summaries counting %d requests" % sent, g)
+    finally:
+        g.stop()
+    last = latest()
+    assert set(last) <= set(g.booted())
+    per_route = {}
+    errors = 0
+    for d in last.values():
+        for r in d["top_p99"]:
+            per_route[r["route"]] = per_route.get(r["route"], 0) + \
+                r["requests"]
+            errors += r["errors"]
+    assert per_route == {"/items/<int:item_id>": 64, "/fail": 16}
+    assert errors == 16

@@ -3,9 +3,9 @@ templates through real apps on gevent.pywsgi, the route= callable, the
 path with its ids replaced), the bounded route table and its wall-time
 quantile estimates.
 
-routes.py is not wired into the middleware yet: the real-server tests wrap
-the app in RouteRecorder, which does what the middleware is to do (a slot
-per request, the name read when the request ends)."""
+The real-server tests wrap the app in the middleware (pct=0) and read the
+names back from ``mw.routes()``; test_route_aggregates.py tests the
+counting itself."""
 import math
 import random
 import sys
@@ -19,8 +19,9 @@ import pytest
 from greqprof import routes
 from greqprof.routes import (MAX_ROUTE, OTHER, ROUTE_KEY,
                              DjangoRouteMiddleware, RouteNamer, RouteTable,
-                             WallHistogram, close_slot, framework_route,
-                             open_slot, path_route, set_route)
+                             WallHistogram, framework_route, path_route,
+                             set_route, take_route)
+from greqprof import ProfilingMiddleware
 from test_middleware import http, http_raw, plain_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,8 +78,10 @@ def test_huge_paths_are_cut():
 # ---------------------------------------------------------------------------
 # set_route and the namer's order
 
-def test_set_route_outside_a_request_does_nothing():
-    assert set_route("x") is False
+def test_set_route_names_the_calling_greenlets_request():
+    assert set_route("x") is True
+    assert take_route() == "x"
+    assert take_route() is None   # (taken: nothing left behind)
 
 
 def test_set_route_refuses_what_is_not_a_name():
@@ -92,35 +95,30 @@ def test_set_route_refuses_what_is_not_a_name():
 
 def test_set_route_is_per_greenlet():
     """Concurrent requests on one thread each get their own name; a
-    greenlet a request spawns does not see it (documented)."""
+    greenlet a request spawns names only itself (documented)."""
     got = {}
 
     def request(name):
-        slot, token = open_slot()
-        try:
-            gevent.sleep(0.01)
-            assert set_route(name) is True
-            gevent.sleep(0.01)
-            got[name] = slot.name
-            got[name + " child"] = gevent.spawn(set_route, "no").get()
-        finally:
-            close_slot(token)
+        gevent.sleep(0.01)
+        assert set_route(name) is True
+        gevent.sleep(0.01)
+        child = gevent.spawn(set_route, "no")
+        child.join()
+        got[name] = take_route()
+        got[name + " child"] = take_route(child)
 
     gevent.joinall([gevent.spawn(request, "r%d" % i) for i in range(5)],
                    raise_error=True)
     assert got == dict([("r%d" % i, "r%d" % i) for i in range(5)] +
-                       [("r%d child" % i, False) for i in range(5)])
-    assert set_route("x") is False   # (closed: nothing left behind)
+                       [("r%d child" % i, "no") for i in range(5)])
+    assert take_route() is None
 
 
 def test_set_route_names_are_clean_and_bounded():
-    slot, token = open_slot()
-    try:
-        set_route("/a\x00\u2066" + "b" * 1000)
-    finally:
-        close_slot(token)
-    assert slot.name.startswith("/a\\x00\\u2066b")
-    assert len(slot.name) == MAX_ROUTE
+    set_route("/a\x00\u2066" + "b" * 1000)
+    name = take_route()
+    assert name.startswith("/a\\x00\\u2066b")
+    assert len(name) == MAX_ROUTE
 
 
 def env(path, **kw):
@@ -131,12 +129,10 @@ def env(path, **kw):
 
 def test_the_namers_order():
     namer = RouteNamer(route=lambda environ: "from-callable")
-    slot = routes.RouteSlot()
     assert namer(env("/items/1")) == "from-callable"
     e = env("/items/1", **{ROUTE_KEY: "/items/<id>"})
     assert namer(e) == "/items/<id>"
-    slot.name = "from-set-route"
-    assert namer(e, slot) == "from-set-route"
+    assert namer(e, "from-set-route") == "from-set-route"
     assert RouteNamer()(env("/items/1")) == "/items/{id}"
     # the callable's "no opinion"
     assert RouteNamer(route=lambda e: None)(env("/items/1")) == "/items/{id}"
@@ -172,36 +168,19 @@ def test_a_broken_route_callable_falls_back_to_the_path():
 # real frameworks on a real server
 
 class RouteRecorder:
-    """What the middleware is to do: a slot per request, the route named
-    when the request ends (after its body), recorded in ``table``."""
+    """The app in the real middleware (pct=0); ``names`` counts the
+    requests of each route it named."""
 
     def __init__(self, app, route=None, max_routes=500):
-        self.app = app
-        self.namer = RouteNamer(route)
-        self.table = RouteTable(max_routes)
-        self.names = []
+        self.mw = ProfilingMiddleware(app, pct=0.0, report=False,
+                                      route=route, max_routes=max_routes)
 
     def __call__(self, environ, start_response):
-        slot, token = open_slot()
-        status = []
+        return self.mw(environ, start_response)
 
-        def sr(s, headers, exc_info=None):
-            status.append(s)
-            return start_response(s, headers, exc_info)
-        try:
-            body = self.app(environ, sr)
-            try:
-                for chunk in body:
-                    yield chunk
-            finally:
-                if hasattr(body, "close"):
-                    body.close()
-        finally:
-            close_slot(token)
-            name = self.namer(environ, slot)
-            self.names.append(name)
-            self.table.record(name, 0.001,
-                              error=bool(status) and status[-1][0] == "5")
+    @property
+    def names(self):
+        return {r["route"]: r["requests"] for r in self.mw.routes()}
 
 
 def test_flask_routes_are_the_matched_rules(plain_server):
@@ -230,14 +209,14 @@ def test_flask_routes_are_the_matched_rules(plain_server):
                            ("/named/q", 200), ("/boom/1", 500),
                            ("/nope/123", 404)):
         assert http(port, target).status == status, target
-    assert rec.names == ["/items/<int:item_id>/detail"] * 2 + [
-        "named-by-app", "/boom/<x>", "callable"]
+    assert rec.names == {"/items/<int:item_id>/detail": 2,
+                         "named-by-app": 1, "/boom/<x>": 1, "callable": 1}
     # without the callable: the path, its id replaced
     rec = RouteRecorder(app)
     port = plain_server(rec)
     assert http(port, "/nope/123").status == 404
-    assert rec.names == ["/nope/{id}"]
-    by_route = {r["route"]: r for r in rec.table.to_records()}
+    assert rec.names == {"/nope/{id}": 1}
+    by_route = {r["route"]: r for r in rec.mw.routes()}
     assert by_route["/nope/{id}"]["errors"] == 0
 
 
@@ -294,9 +273,9 @@ def test_django_routes_are_the_resolved_routes(plain_server):
                            ("/old/12/", 200), ("/named", 200),
                            ("/nope/77", 404)):
         assert http(port, target).status == status, target
-    assert rec.names == ["/items/<int:pk>/detail", "/api/orders/<int:pk>/",
-                         "/old/(?P<pk>[0-9]+)/$", "named-by-app",
-                         "/nope/{id}"]
+    assert rec.names == dict.fromkeys([
+        "/items/<int:pk>/detail", "/api/orders/<int:pk>/",
+        "/old/(?P<pk>[0-9]+)/$", "named-by-app", "/nope/{id}"], 1)
 
 
 def test_django_middleware_never_breaks_the_request():
@@ -314,8 +293,9 @@ def test_non_utf8_and_huge_paths_through_a_real_server(plain_server):
     assert http_raw(port, b"GET /\xff\xfe/12 HTTP/1.1\r\nHost: x\r\n"
                     b"Connection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
     assert http(port, "/" + "z" * 6000).status == 200
-    assert rec.names[0] == "/\xff\xfe/{id}"
-    assert len(rec.names[1]) == MAX_ROUTE
+    names = sorted(rec.names, key=len)
+    assert names[0] == "/\xff\xfe/{id}"
+    assert len(names[1]) == MAX_ROUTE
 
 
 # ---------------------------------------------------------------------------

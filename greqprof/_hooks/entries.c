@@ -26,6 +26,11 @@ static int64_t attach_greenlet(gqp_py_thread *st, PyObject *g, gqp_profile *p)
     if (p && id) {
         name_in_profile(st, g, id, p);
     }
+    if (st->calls_on && st_live(st) && gqp__tls == st) {
+        /* (the running greenlet may have joined or left a profile: the
+         * call hook follows now, not at its next switch) */
+        calls_follow(st);
+    }
     PyErr_Clear();
     st_leave(st);
     return (int64_t)(id & INT64_MAX);

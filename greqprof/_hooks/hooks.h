@@ -25,7 +25,9 @@ typedef struct gqp_py_thread {
     int builtins;
     int inherit;
     int stacks;                /* capture a stack for long spans */
-    int profile_installed;
+    int profile_installed;     /* the call hook is in the thread now */
+    int calls_on;              /* wanted (gqp_py_calls): while a greenlet
+                                  of a profile runs (calls.c, calls_follow) */
     uint64_t hub_key;          /* this thread's gevent hub, once seen */
     int installed;             /* still referenced by its thread's hooks */
     PyObject *trace_fn;        /* our callable given to greenlet.settrace */
@@ -113,6 +115,8 @@ static PyObject *module_dir(PyObject *mod);
 static void own_switch(gqp_py_thread *st, PyObject *from, PyObject *to,
                        int dead);
 static PyMethodDef own_work_def;
+static void calls_follow(gqp_py_thread *st);
+
 /* entries.c */
 static PyMethodDef attach_def;
 static PyMethodDef greenlet_id_def;

@@ -293,22 +293,31 @@ static int gqp_py_calls(gqp_py_thread *st, int on)
     int rc = GQP_OK;
     if (gqp__tls != st || !st->active || !st->calls) {
         rc = GQP_ESTATE;
-    } else if (on && !st->profile_installed) {
-        own_reset(st);
-        /* Chain to what is installed now (it may have changed since the
-         * start: a cProfile enabled meanwhile). */
-        PyThreadState *ts = PyThreadState_Get();
-        if (ts->c_profilefunc != gqp__profile ||
-            ts->c_profileobj != st->ref) {
-            PyObject *old = st->prev_prof_obj;
-            st->prev_prof = ts->c_profilefunc;
-            st->prev_prof_obj = Py_XNewRef(ts->c_profileobj);
-            Py_XDECREF(old);
+    } else if (on) {
+        if (!st->calls_on) {
+            own_reset(st);
+            if (!st->profile_installed) {
+                /* Chain to what is installed now (it may have changed
+                 * since the start: a cProfile enabled meanwhile). */
+                PyThreadState *ts = PyThreadState_Get();
+                if (ts->c_profilefunc != gqp__profile ||
+                    ts->c_profileobj != st->ref) {
+                    PyObject *old = st->prev_prof_obj;
+                    st->prev_prof = ts->c_profilefunc;
+                    st->prev_prof_obj = Py_XNewRef(ts->c_profileobj);
+                    Py_XDECREF(old);
+                }
+            }
         }
-        PyEval_SetProfile(gqp__profile, st->ref);
-        st->profile_installed = 1;
-    } else if (!on && st->profile_installed) {
-        unhook_calls(st);
+        /* (put in now if the running greenlet is in a profile, then by
+         * the switch hook) */
+        st->calls_on = 1;
+        calls_follow(st);
+    } else {
+        st->calls_on = 0;
+        if (st->profile_installed) {
+            unhook_calls(st);
+        }
     }
     PyGILState_Release(gs);
     return rc;

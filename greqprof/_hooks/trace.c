@@ -126,6 +126,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
             note_forget(st, dead_id);
             run_forget(st, (uint64_t)(uintptr_t)origin);
         }
+#if PY_VERSION_HEX < 0x030C0000
+        if (st->calls_on && st_live(st)) {
+            calls_follow(st);   /* (after on_new_greenlet: inherited) */
+        }
+#endif
     }
     PyObject *res = st->prev_trace
         ? PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL)

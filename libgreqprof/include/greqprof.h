@@ -354,8 +354,16 @@ typedef enum gqp_tracer_param {
     GQP_TRACER_LONG_SPAN_NS = 4,
     GQP_TRACER_MAX_DEPTH = 5,     /* frames kept per greenlet (default 1024) */
     GQP_TRACER_MAX_GREENLETS = 6, /* live greenlets tracked (default 1<<20)  */
-    GQP_TRACER_HISTORY = 7        /* recent spans of all greenlets kept for
+    GQP_TRACER_HISTORY = 7,       /* recent spans of all greenlets kept for
                                      gqp_tracer_waited (default 4096)       */
+    /* The CPU window (as GQP_TRACER_CPU_WINDOW_NS) for the spans of
+     * greenlets attached to no profile while no default or session profile
+     * is set (default 0: the same window).  A wider one spares them the
+     * clock's system calls while a narrow window serves a profile's
+     * greenlets: the span of a greenlet in a profile, or of one seen for
+     * the first time, starts and ends with the narrow window.  May change
+     * at any time. */
+    GQP_TRACER_CPU_WINDOW_OTHERS_NS = 8
 } gqp_tracer_param;
 
 #define GQP_CPU_OFF 0
@@ -496,7 +504,9 @@ GQP_API size_t gqp_tracer_greenlet_count(const gqp_tracer *t);
  * recent span history: the total, and the
  * top `n` greenlets by time written to ids[]/ns[].  Returns the number of
  * entries written; *complete is 0 when the history no longer reached back
- * to start_ns. */
+ * to start_ns.  The history keeps the spans closed while some greenlet is
+ * attached to a profile or a default or session profile is set (a span
+ * closed while none is, in no profile, is not kept). */
 GQP_API int gqp_tracer_waited(const gqp_tracer *t, const gqp_profile *mine,
                               int64_t start_ns, int64_t end_ns,
                               int64_t *total_ns, uint64_t *ids, int64_t *ns,

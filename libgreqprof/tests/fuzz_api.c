@@ -783,7 +783,7 @@ static void run_op(fz *z, uint8_t op)
         size_t live = gqp_tracer_greenlet_count(z->t[ti]);
         rc = gqp_tracer_set(z->t[ti], (gqp_tracer_param)param, v);
         /* the value may be checked before the parameter (ERANGE) */
-        if (param == 0 || param == 8)
+        if (param == 0 || param == 9)
             CHECK(rc == GQP_EINVAL || rc == GQP_ESTATE || rc == GQP_ERANGE,
                   "tracer_set(bad param) = %d", rc);
         if (rc == GQP_OK) {

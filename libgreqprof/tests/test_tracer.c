@@ -22,6 +22,7 @@ TEST(tracer_new_defaults)
     ASSERT_EQ_I64(tget(t, GQP_TRACER_MAX_DEPTH), 1024);
     ASSERT_EQ_I64(tget(t, GQP_TRACER_MAX_GREENLETS), INT64_C(1) << 20);
     ASSERT_EQ_I64(tget(t, GQP_TRACER_HISTORY), 4096);
+    ASSERT_EQ_I64(tget(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS), 0);
     ASSERT_EQ_SIZE(gqp_tracer_greenlet_count(t), 0);
     gqp_tracer_free(t);
 }
@@ -44,6 +45,10 @@ TEST(tracer_set_get_roundtrip)
     ASSERT_EQ_I64(tget(t, GQP_TRACER_MAX_DEPTH), 3);
     ASSERT_EQ_I64(tget(t, GQP_TRACER_MAX_GREENLETS), 10);
     ASSERT_EQ_I64(tget(t, GQP_TRACER_HISTORY), 16);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 9000));
+    ASSERT_EQ_I64(tget(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS), 9000);
+    ASSERT_RC2(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, -1),
+               GQP_EINVAL, GQP_ERANGE);
     ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_MODE, GQP_CPU_OFF));
     ASSERT_EQ_I64(tget(t, GQP_TRACER_CPU_MODE), GQP_CPU_OFF);
     ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_MODE, GQP_CPU_ESTIMATE));
@@ -61,7 +66,7 @@ TEST(tracer_set_get_invalid)
     int64_t v;
     ASSERT_OK(gqp_tracer_new(&t));
     ASSERT_RC(gqp_tracer_set(t, (gqp_tracer_param)0, 1), GQP_EINVAL);
-    ASSERT_RC(gqp_tracer_set(t, (gqp_tracer_param)8, 1), GQP_EINVAL);
+    ASSERT_RC(gqp_tracer_set(t, (gqp_tracer_param)9, 1), GQP_EINVAL);
     ASSERT_RC(gqp_tracer_get(t, (gqp_tracer_param)0, &v), GQP_EINVAL);
     ASSERT_RC(gqp_tracer_get(t, (gqp_tracer_param)99, &v), GQP_EINVAL);
     ASSERT_RC2(gqp_tracer_set(t, GQP_TRACER_CPU_MODE, 3), GQP_EINVAL,
@@ -880,6 +885,96 @@ TEST(waited_totals_and_top_n)
     ASSERT_EQ_U64(ids[2], h2);
     ASSERT_EQ_I64(ns[2], 6);
     gqp_profile_free(other);
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
+/* GQP_TRACER_CPU_WINDOW_OTHERS_NS: switches between greenlets in no
+ * profile read the CPU clock only with the wider window, while a span of
+ * a greenlet in a profile starts and ends with the narrow one (its CPU
+ * time stays within it). */
+TEST(others_window_spares_clock_reads)
+{
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_ESTIMATE, GQP_CLOCK_CPU);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 10));
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 1000));
+    EV(gqp_tracer_switch(t, 0, KH, 0));
+    EV(gqp_tracer_switch(t, KH, KI, 0));  /* (I new: a narrow start) */
+    fc_run(&c, 20);
+    EV(gqp_tracer_switch(t, KI, KH, 0));
+    uint64_t reads = c.cpu_reads;
+    for (int i = 0; i < 20; i++) {  /* 20 ns each, both in no profile */
+        fc_run(&c, 20);
+        EV(gqp_tracer_switch(t, i % 2 ? KI : KH, i % 2 ? KH : KI, 0));
+    }
+    ASSERT_EQ_U64(c.cpu_reads, reads);  /* (400 ns < 1000) */
+    /* G in mine: off CPU 50 ns (the estimate runs ahead), then G runs */
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 5);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_idle(&c, 50);
+    reads = c.cpu_reads;
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    ASSERT_EQ_U64(c.cpu_reads, reads + 1); /* G's span starts exact */
+    fc_run(&c, 30);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    gqp_span sp;
+    ASSERT_OK(gqp_tracer_last_span(t, &sp, NULL, NULL));
+    ASSERT_EQ_I64(sp.cpu_ns, 30);
+    ASSERT_EQ_U64(c.cpu_reads, reads + 2); /* and ends exact */
+    /* with the option off (0), every span takes the narrow window */
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 0));
+    reads = c.cpu_reads;
+    fc_run(&c, 20);
+    EV(gqp_tracer_switch(t, KH, KI, 0));
+    ASSERT_EQ_U64(c.cpu_reads, reads + 1);
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
+/* Spans closed while no greenlet is attached to a profile (and there is
+ * no default or session) are not kept in the history: a server's
+ * unsampled requests skip it.  Once one is attached they are kept. */
+TEST(waited_history_only_while_attached)
+{
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_EXACT, GQP_CLOCK_CPU);
+    int64_t t0 = c.wall;
+    EV(gqp_tracer_switch(t, 0, KH, 0));
+    fc_run(&c, 7);
+    EV(gqp_tracer_switch(t, KH, KG, 0)); /* H's span: nobody attached */
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 3);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_run(&c, 5);
+    EV(gqp_tracer_switch(t, KH, KG, 0)); /* H's span: G attached */
+    uint64_t h = gid(t, KH);
+    uint64_t ids[2] = {0};
+    int64_t ns[2] = {0}, total = -1;
+    int complete = -1;
+    int rc = gqp_tracer_waited(t, mine, t0, c.wall, &total, ids, ns, 2,
+                               &complete);
+    ASSERT_EQ_I64(rc, 1);
+    ASSERT_EQ_U64(ids[0], h);
+    ASSERT_EQ_I64(ns[0], 5); /* (not 12: the first span is not kept) */
+    ASSERT_EQ_I64(total, 5);
+    /* detached: G's spans go to no profile and are not kept either */
+    ASSERT_OK(gqp_tracer_attach(t, KG, NULL));
+    int64_t t1 = c.wall;
+    fc_run(&c, 4);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_run(&c, 2);
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    rc = gqp_tracer_waited(t, NULL, t1, c.wall, &total, ids, ns, 2,
+                           &complete);
+    ASSERT_EQ_I64(rc, 0);
+    ASSERT_EQ_I64(total, 0);
     gqp_tracer_free(t);
     gqp_profile_free(mine);
 }

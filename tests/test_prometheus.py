@@ -1,0 +1,127 @@
+"""Issue 21 item 5: a real Prometheus server (Debian ``prometheus``)
+scrapes ``metrics_path`` of a real ``gunicorn -k gevent -w 2`` Flask app in
+prometheus_client's multiprocess mode; the sums read back through its HTTP
+query API equal the requests sent, whichever worker served them and
+whichever answered the scrape.  Prometheus listens on a loopback ephemeral
+port with its own storage directory and is killed at the end.  Missing
+prometheus is a failure under CI=true, a skip elsewhere."""
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from test_gunicorn import Gunicorn, free_port, get, wait
+
+pytestmark = pytest.mark.timeout(90)
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+APP = '''
+import flask
+
+app = flask.Flask("prom_routes")
+
+
+@app.route("/items/<int:item_id>")
+def item(item_id):
+    return "item %d" % item_id
+
+
+@app.route("/fail")
+def fail():
+    flask.abort(503)
+'''
+
+
+def _need(what, ok):
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail("%s is missing (make deps / .ci/system-deps)" % what)
+    pytest.skip("%s is missing" % what)
+
+
+def query(port, expr):
+    url = "http://127.0.0.1:%d/api/v1/query?%s" % (
+        port, urllib.parse.urlencode({"query": expr}))
+    with urllib.request.urlopen(url, timeout=5) as r:
+        d = json.load(r)
+    assert d["status"] == "success", d
+    return {tuple(sorted(x["metric"].items())): float(x["value"][1])
+            for x in d["data"]["result"]}
+
+
+def test_prometheus_scrapes_two_gunicorn_workers(tmp_path):
+    _need("prometheus (Debian package)", os.path.exists(PROMETHEUS))
+    try:
+        import prometheus_client  # noqa: F401
+        import flask  # noqa: F401
+    except ImportError as e:
+        _need(str(e), False)
+    (tmp_path / "promapp.py").write_text(APP)
+    mp = tmp_path / "multiproc"
+    mp.mkdir()
+    g = Gunicorn(str(tmp_path), ["--pythonpath", str(tmp_path)], env={
+        "GREQPROF_PCT": "0.25", "GREQPROF_METRICS_PATH": "/_greqprof/metrics",
+        "GREQPROF_BLOCKING_MS": "off", "GREQPROF_SUMMARY_S": "off",
+        "PROMETHEUS_MULTIPROC_DIR": str(mp)}, app="promapp:app")
+    prom = None
+    try:
+        g.wait_ready()
+        pport = free_port()
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: greqprof\n"
+            "    metrics_path: /_greqprof/metrics\n"
+            "    static_configs:\n      - targets: ['127.0.0.1:%d']\n"
+            % g.port)
+        prom = subprocess.Popen(
+            [PROMETHEUS, "--config.file=%s" % cfg,
+             "--storage.tsdb.path=%s" % (tmp_path / "tsdb"),
+             "--web.listen-address=127.0.0.1:%d" % pport],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "prometheus.log", "wb"),
+            start_new_session=True)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(
+                lambda i: get(g.port, "/items/%d" % i if i % 4 else "/fail",
+                              "p-%d" % i), range(120)))
+        assert statuses.count(200) == 90 and statuses.count(503) == 30
+        pids = {int(p.name.split("_")[-1].split(".")[0])
+                for p in mp.iterdir() if p.name.startswith("counter_")}
+
+        def summed():
+            try:
+                return query(pport, "sum by (route, status) "
+                                    "(greqprof_requests_total)")
+            except OSError:
+                return None
+        want = {(("route", "/items/<int:item_id>"), ("status", "2xx")): 90.0,
+                (("route", "/fail"), ("status", "5xx")): 30.0}
+        wait(lambda: summed() == want, "Prometheus summing %r" % want,
+             timeout=40)
+        # the histogram's count, the sampled requests' CPU count, and the
+        # route in every series
+        dur = query(pport, "sum by (route) "
+                           "(greqprof_request_duration_seconds_count)")
+        assert dur == {(("route", "/items/<int:item_id>"),): 90.0,
+                       (("route", "/fail"),): 30.0}
+        inf = query(pport, 'sum(greqprof_request_duration_seconds_bucket'
+                           '{le="+Inf"})')
+        assert list(inf.values()) == [120.0]
+        cpu = query(pport, "sum(greqprof_request_cpu_seconds_count)")
+        assert 0 < list(cpu.values())[0] <= 120
+        assert pids <= set(g.booted()) and len(pids) >= 1
+    finally:
+        if prom is not None:
+            os.killpg(prom.pid, signal.SIGKILL)
+            prom.wait(timeout=10)
+        g.stop()

@@ -1,0 +1,392 @@
+"""Issue 21 items 1, 2, 5, 6: the middleware counts every request by its
+route (sampled or not, in C: greqprof/_routes.c), adds the sampled
+requests' CPU and waiting and the blocking events, and logs a periodic
+summary; real gevent.pywsgi servers over real sockets (gunicorn:
+test_gunicorn.py)."""
+import json
+import logging
+import time
+
+import gevent
+import pytest
+
+import greqprof
+from greqprof import ProfilingMiddleware, routes
+from greqprof.routes import OTHER
+from test_middleware import (http, parse_response, connect, read_all,  # noqa
+                             serve, wait_for)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def by_route(mw):
+    return {r["route"]: r for r in mw.routes()}
+
+
+def counts(mw):
+    return {r["route"]: r["requests"] for r in mw.routes()}
+
+
+def app_of_paths(environ, start_response):
+    p = environ["PATH_INFO"]
+    if p.startswith("/raise"):
+        raise RuntimeError("boom")
+    if p.startswith("/gen"):
+        start_response("201 Created", [("Content-Type", "text/plain")])
+
+        def body():
+            gevent.sleep(0.02)
+            yield b"a"
+            yield b"b"
+        return body()
+    if p.startswith("/bodyfail"):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+
+        def failing():
+            yield b"a"
+            raise ValueError("in the body")
+        return failing()
+    if p.startswith("/unavail"):
+        start_response("503 Service Unavailable", [])
+        return [b"x"]
+    if p.startswith("/named"):
+        greqprof.set_route("by-app")
+        gevent.spawn(greqprof.set_route, "by-child").join()
+    if p.startswith("/sleep"):
+        gevent.sleep(0.03)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+@pytest.mark.parametrize("pct", [0.0, 1.0])
+def test_every_request_is_counted_by_its_route(serve, pct):
+    """Sampled or not: requests, errors (5xx or an exception, in the app or
+    in its body), status classes, wall quantiles; a generator body is
+    counted when the server closes it."""
+    s = serve(app_of_paths, pct=pct, report=False, linger=0)
+    plan = [("/items/1", 200), ("/items/22", 200), ("/gen/3", 201),
+            ("/unavail", 503), ("/raise/9", 500), ("/named/1", 200),
+            ("/sleep", 200)]
+    for target, status in plan:
+        assert s.get(target).status == status, target
+    s.get("/bodyfail")   # (the server cuts the chunked response)
+    wait_for(lambda: sum(counts(s.mw).values()) == len(plan) + 1,
+             what="every request counted")
+    r = by_route(s.mw)
+    assert counts(s.mw) == {"/items/{id}": 2, "/gen/{id}": 1, "/unavail": 1,
+                            "/raise/{id}": 1, "by-app": 1, "/sleep": 1,
+                            "/bodyfail": 1}
+    assert r["/items/{id}"]["errors"] == 0
+    assert r["/items/{id}"]["status"]["2xx"] == 2
+    assert r["/gen/{id}"]["status"]["2xx"] == 1
+    assert r["/unavail"]["errors"] == 1 and r["/unavail"]["status"]["5xx"] == 1
+    assert r["/raise/{id}"]["errors"] == 1
+    assert r["/raise/{id}"]["status"]["5xx"] == 1
+    assert r["/bodyfail"]["errors"] == 1
+    # (lower bounds only: the app slept that long)
+    assert r["/gen/{id}"]["wall_p50"] >= 0.02 * 0.95
+    assert r["/sleep"]["wall_p99"] >= 0.03 * 0.95
+    for rec in r.values():
+        assert rec["wall_p50"] <= rec["wall_p95"] <= rec["wall_p99"] <= \
+            rec["wall_max"]
+    if pct:
+        assert r["/items/{id}"]["sampled"] == 2
+        assert r["/items/{id}"]["cpu"] > 0
+        assert r["/sleep"]["waiting"] >= 0.03 * 0.9
+        top = r["/sleep"]["wait_sites"][0]
+        assert "app_of_paths" in top["site"] and "test_route_aggregates" \
+            in top["site"] and top["per_request"] >= 0.03 * 0.9
+        assert r["/gen/{id}"]["sampled"] == 1
+    else:
+        assert all(rec["sampled"] == 0 and rec["cpu"] is None
+                   for rec in r.values())
+
+
+def test_a_sampled_list_body_keeps_its_content_length(serve):
+    """The wrapper of a sampled list body is sized like it: gevent still
+    sends Content-Length, not chunks."""
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0)
+    resp = s.get("/items/1")
+    assert resp.status == 200
+    assert resp.headers.get("content-length") == "2"
+    assert "transfer-encoding" not in resp.headers
+    wait_for(lambda: by_route(s.mw)["/items/{id}"]["sampled"] == 1,
+             what="the sampled request counted")
+
+
+def test_set_route_of_a_child_greenlet_does_not_name_the_request(serve):
+    s = serve(app_of_paths, pct=0.0, report=False)
+    for _ in range(3):
+        s.get("/named/x")
+    assert counts(s.mw) == {"by-app": 3}
+    assert "by-child" not in counts(s.mw)
+
+
+def test_routes_are_bounded_and_the_rest_is_other(serve):
+    s = serve(app_of_paths, pct=0.0, report=False, max_routes=5)
+    for i in range(30):
+        s.get("/r%d" % i)
+    got = counts(s.mw)
+    assert len(got) == 6 and got[OTHER] == 25
+    assert sum(got.values()) == 30
+    assert s.mw._routes.counts.overflowed == 25
+
+
+def test_the_route_callable_and_its_failures(serve):
+    def route(environ):
+        if environ["PATH_INFO"] == "/bad":
+            raise KeyError("x")
+        return "cb:" + environ["REQUEST_METHOD"]
+    s = serve(app_of_paths, pct=0.0, report=False, route=route)
+    s.get("/items/1")
+    s.get("/items/2", method="POST")
+    s.get("/bad")
+    assert counts(s.mw) == {"cb:GET": 1, "cb:POST": 1, "/bad": 1}
+    assert s.mw._routes.namer.errors == 1
+    with pytest.raises(greqprof.ConfigError, match="route"):
+        ProfilingMiddleware(app_of_paths, route="/x")
+    with pytest.raises(greqprof.ConfigError, match="max_routes"):
+        ProfilingMiddleware(app_of_paths, max_routes=0)
+
+
+def test_max_routes_and_summary_from_the_environment(monkeypatch):
+    mw = ProfilingMiddleware(app_of_paths, environ={
+        "GREQPROF_MAX_ROUTES": "7", "GREQPROF_SUMMARY_S": "off"})
+    assert mw._routes.max_routes == 7 and mw.summary_s is None
+    with pytest.raises(greqprof.ConfigError, match="GREQPROF_MAX_ROUTES"):
+        ProfilingMiddleware(app_of_paths,
+                            environ={"GREQPROF_MAX_ROUTES": "0"})
+
+
+def test_nested_middlewares_count_a_request_once(serve):
+    inner = ProfilingMiddleware(app_of_paths, pct=0.0, report=False)
+    s = serve(inner, pct=0.0, report=False)
+    s.get("/items/1")
+    assert counts(s.mw) == {"/items/{id}": 1}
+    assert counts(inner) == {}
+
+
+def test_blocking_events_count_by_route(serve):
+    """A request that holds the loop: its blocking event is counted by its
+    route, sampled (by the route, when its profile is delivered) or not (by
+    its path)."""
+    def app(environ, start_response):
+        deadline = time.perf_counter() + 0.03
+        while time.perf_counter() < deadline:
+            pass
+        start_response("200 OK", [])
+        return [b"ok"]
+    for pct in (0.0, 1.0):
+        s = serve(app, pct=pct, report=False, blocking_ms=10, linger=0,
+                  logger="greqprof.test_routes_blocking")
+        s.get("/hold/1")
+        s.get("/hold/2")
+        wait_for(lambda: by_route(s.mw).get("/hold/{id}", {}).get(
+            "blocking", 0) >= 2, what="blocking counted (pct=%s)" % pct)
+        rec = by_route(s.mw)["/hold/{id}"]
+        assert rec["blocking"] == 2 and rec["blocked"] >= 0.02
+        assert s.mw._routes.blocking >= 2
+
+
+def test_flask_routes_under_pywsgi(serve):
+    """Flask's matched rule names its requests (the hook is installed when
+    the middleware is made); a 404 falls back to the path."""
+    flask = pytest.importorskip("flask")   # (a test extra: pyproject)
+    app = flask.Flask("route_aggregates")
+
+    @app.route("/items/<int:item_id>")
+    def item(item_id):
+        return "item %d" % item_id
+
+    @app.route("/fail")
+    def fail():
+        raise RuntimeError("x")
+
+    app.wsgi_app = ProfilingMiddleware(app.wsgi_app, pct=0.5, seed=3,
+                                       report=False, linger=0)
+    mw = app.wsgi_app
+    from gevent import pywsgi
+    server = pywsgi.WSGIServer(("127.0.0.1", 0), app, log=None)
+    server.start()
+    try:
+        for i in range(10):
+            assert http(server.server_port, "/items/%d" % i).status == 200
+        assert http(server.server_port, "/fail").status == 500
+        assert http(server.server_port, "/nope/5").status == 404
+        wait_for(lambda: sum(counts(mw).values()) == 12, what="12 counted")
+        r = by_route(mw)
+        assert counts(mw) == {"/items/<int:item_id>": 10, "/fail": 1,
+                              "/nope/{id}": 1}
+        assert r["/fail"]["errors"] == 1
+        assert r["/nope/{id}"]["status"]["4xx"] == 1
+        assert 0 < r["/items/<int:item_id>"]["sampled"] < 10
+    finally:
+        server.stop(timeout=2)
+
+
+def test_the_summary_line(serve, caplog):
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0,
+              logger="greqprof.test_summary")
+    for _ in range(3):
+        s.get("/items/1")
+    s.get("/sleep")
+    wait_for(lambda: sum(counts(s.mw).values()) == 4, what="4 counted")
+    with caplog.at_level(logging.INFO, logger="greqprof.test_summary"):
+        s.mw._routes_tick(time.monotonic() + 1e6)
+        s.mw._routes_tick(time.monotonic() + 2e6)   # (nothing ran since)
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "greqprof.test_summary"]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "4 requests in the last 60 s" in line
+    assert "top total CPU since start" in line and "/items/{id}" in line
+    assert line.index("/sleep", line.index("top p99")) > 0
+    # JSON
+    s.mw.json_logs = True
+    s.get("/items/2")
+    wait_for(lambda: sum(counts(s.mw).values()) == 5, what="5 counted")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="greqprof.test_summary"):
+        s.mw._routes_tick(time.monotonic() + 3e6)
+    d = json.loads(caplog.records[-1].getMessage())
+    assert d["schema"] == "greqprof.routes/1" and d["requests"] == 5
+    assert d["requests_in_period"] == 1
+    assert d["top_p99"][0]["route"] == "/sleep"
+    assert {x["route"] for x in d["top_cpu"]} == {"/items/{id}", "/sleep"}
+
+
+def test_summary_is_logged_by_the_drain_loop(serve, caplog):
+    with caplog.at_level(logging.INFO, logger="greqprof.test_summary2"):
+        s = serve(app_of_paths, pct=0.0, report=False, summary_s=0.5,
+                  logger="greqprof.test_summary2")
+        s.get("/items/1")
+        wait_for(lambda: any("greqprof routes" in r.getMessage()
+                             for r in caplog.records), what="a summary")
+
+
+def test_set_route_bounds_what_no_request_takes():
+    routes._named.clear()
+    for _ in range(3):
+        assert gevent.spawn(greqprof.set_route, "x").get() is True
+    assert len(routes._named) == 3
+    for _ in range(routes._MAX_NAMED + 5):
+        gevent.spawn(greqprof.set_route, "x").get()
+    assert len(routes._named) <= routes._MAX_NAMED
+    routes._named.clear()
+
+
+# ---------------------------------------------------------------------------
+# Prometheus (the real server scraping gunicorn: test_prometheus.py)
+
+def test_metrics_page_in_one_process(serve):
+    pytest.importorskip("prometheus_client")   # (extra: greqprof[prometheus])
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0,
+              metrics_path="/_greqprof/metrics")
+    for i in range(3):
+        s.get("/items/%d" % i)
+    s.get("/unavail")
+    wait_for(lambda: by_route(s.mw).get("/items/{id}", {}).get("sampled")
+             == 3, what="3 sampled")
+    resp = s.get("/_greqprof/metrics")
+    assert resp.status == 200
+    text = resp.body.decode()
+    assert 'greqprof_requests_total{route="/items/{id}",status="2xx"} 3.0' \
+        in text
+    assert 'greqprof_requests_total{route="/unavail",status="5xx"} 1.0' \
+        in text
+    assert 'greqprof_request_duration_seconds_count{route="/items/{id}"} ' \
+        '3.0' in text
+    assert 'greqprof_request_duration_seconds_bucket{le="+Inf",' \
+        'route="/items/{id}"} 3.0' in text
+    assert 'greqprof_request_cpu_seconds_count{route="/items/{id}"} 3.0' \
+        in text
+    # the page itself is not a route; a second scrape adds nothing twice
+    assert s.get("/_greqprof/metrics").body.decode().count(
+        'status="2xx"} 3.0') == 1
+    assert "/_greqprof/metrics" not in counts(s.mw)
+    # the inspector's access rules: loopback only by default
+    resp = s.get("/_greqprof/metrics", headers=[("Host", "evil.example")])
+    assert resp.status == 403
+
+
+def test_metrics_path_needs_prometheus_client(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(greqprof.ConfigError, match="greqprof.prometheus"):
+        ProfilingMiddleware(app_of_paths, metrics_path="/_m")
+    with pytest.raises(greqprof.ConfigError, match="metrics_path"):
+        ProfilingMiddleware(app_of_paths, metrics_path="metrics")
+
+
+# ---------------------------------------------------------------------------
+# the inspector's Routes page
+
+def test_routes_page_sorts_and_links_to_the_routes_profiles(serve):
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0,
+              ui_path="/_greqprof")
+    for i in range(3):
+        s.get("/items/%d" % i)
+    s.get("/sleep")
+    wait_for(lambda: sum(r["sampled"] for r in s.mw.routes()) == 4,
+             what="4 sampled")
+    page = s.get("/_greqprof/routes?sort=p99").body.decode()
+    assert page.index("/sleep") < page.index("/items/{id}")   # (p99)
+    page = s.get("/_greqprof/routes?sort=requests").body.decode()
+    assert page.index("/items/{id}") < page.index("/sleep")
+    assert "/_greqprof/?route=%2Fitems%2F%7Bid%7D" in page
+    assert "/_greqprof/routes" not in counts(s.mw)   # (not a route)
+    listed = s.get("/_greqprof/?route=%2Fitems%2F%7Bid%7D").body.decode()
+    assert listed.count('class="gq-profile-row') == 3
+    assert "route: /items/{id}" in listed
+    assert s.get("/_greqprof/routes?sort=nonsense").status == 200
+    assert s.get("/_greqprof/routes",
+                 headers=[("Host", "evil.example")]).status == 403
+
+
+def test_sampled_numbers_come_from_the_raw_profile_unbuilt(serve):
+    """The route's CPU, waiting and wait sites are read from a deferred
+    profile's raw data (it stays unbuilt) and equal the built fields."""
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0)
+    s.get("/sleep")
+    (p,) = s.wait_profiles(1)
+    wait_for(lambda: by_route(s.mw)["/sleep"]["sampled"] == 1,
+             what="the sampled request counted")
+    assert "_loader" in vars(p)   # (not built by the aggregates)
+    rec = by_route(s.mw)["/sleep"]
+    assert rec["cpu"] == pytest.approx(p.cpu)
+    assert rec["waiting"] == pytest.approx(p.waiting.seconds)
+    w = p.waits[0]
+    assert rec["wait_sites"][0] == {
+        "site": "%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
+        "seconds": pytest.approx(w.seconds),
+        "per_request": pytest.approx(w.seconds)}
+    assert p.route == "/sleep"
+
+
+def test_the_servers_file_wrapper_goes_back_unwrapped(serve):
+    """gunicorn sends its wsgi.file_wrapper with sendfile: an unsampled
+    request's is returned as it is (counted when the app returns it)."""
+    class FileWrapper:
+        def __init__(self, data):
+            self.data = data
+
+        def __iter__(self):
+            return iter([self.data])
+
+    seen = []
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return environ["wsgi.file_wrapper"](b"file")
+
+    def server_side(mw):
+        def outer(environ, start_response):
+            environ["wsgi.file_wrapper"] = FileWrapper
+            body = mw(environ, start_response)
+            seen.append(type(body))
+            return body
+        return outer
+    s = serve(app, wrap=server_side, pct=0.0, report=False)
+    assert s.get("/f").body == b"file"
+    assert seen == [FileWrapper]
+    assert counts(s.mw) == {"/f": 1}
