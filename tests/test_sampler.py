@@ -389,3 +389,29 @@ def test_a_failing_sampler_never_breaks_requests(server, fresh_sampler,
     assert mw.stats["errors"] == 1
     assert mw.stats["requests"] == 3
     assert sampler.samples() == []
+
+
+def test_a_hook_taken_out_without_chaining_stops_attribution(
+        server, fresh_sampler):
+    # Another tool replaces greenlet's trace function without calling
+    # greqprof's: the tracer's current greenlet then stays whatever ran
+    # last, and may be freed.  The sampler must stop trusting it (skip)
+    # rather than attribute new work to it, or read a dead greenlet.
+    import greenlet
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/cpu/%d"] * 4)
+    ours = greenlet.gettrace()
+    assert ours is not None
+    greenlet.settrace(None)
+    try:
+        before = sampler.stats()
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            # greenlets that run and die unseen by greqprof's hook
+            gevent.spawn(burn_cpu, 20000).join()
+        after = sampler.stats()
+    finally:
+        greenlet.settrace(ours)
+    assert after["ticks"] > before["ticks"] + 5, (before, after)
+    assert after["samples"] == before["samples"], (before, after)
+    assert after["skipped"] > before["skipped"], (before, after)

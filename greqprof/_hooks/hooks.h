@@ -29,6 +29,9 @@ typedef struct gqp_py_thread {
     int calls_on;              /* wanted (gqp_py_calls): while a greenlet
                                   of a profile runs (calls.c, calls_follow) */
     uint64_t hub_key;          /* this thread's gevent hub, once seen */
+    uint64_t ctx_ver;          /* the thread's context_ver after our last
+                                * switch: greenlet bumps it at every switch,
+                                * so a change means one we did not see */
     int installed;             /* still referenced by its thread's hooks */
     PyObject *trace_fn;        /* our callable given to greenlet.settrace */
     PyObject *ref;             /* hookref pointing back here */

@@ -218,6 +218,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
     gqp__tls = st;
     st->installed = 1;
     st->active = 1;
+    st->ctx_ver = PyThreadState_Get()->context_ver;
     /* Start the current greenlet's span (and give it its names). */
     PyObject *gm = PyImport_ImportModule("greenlet");
     PyObject *cur = gm ? PyObject_CallMethod(gm, "getcurrent", NULL) : NULL;

@@ -293,6 +293,12 @@ static int smp_sample(int i)
         smp_skipped++;
         return 0;
     }
+    if (ts->context_ver != st->ctx_ver) {
+        /* A switch the hook did not see (taken out by another tool, or a
+         * contextvars Context.run() under way): key may be stale. */
+        smp_skipped++;
+        return 0;
+    }
     if (key == st->hub_key) {
         smp_idle++;   /* the hub: waiting for I/O or running callbacks */
         return 0;

@@ -135,6 +135,10 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
     PyObject *res = st->prev_trace
         ? PyObject_Vectorcall(st->prev_trace, args, (size_t)nargs, NULL)
         : Py_NewRef(Py_None);
+    /* (the stack sampler trusts the tracer's current greenlet only while
+     * this still holds: a hook taken out without chaining to ours would
+     * leave it pointing at a greenlet that may be gone) */
+    st->ctx_ver = PyThreadState_Get()->context_ver;
     st_leave(st);
     return res;
 }
