@@ -32,7 +32,7 @@ factory::
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
-gqp-5pct, gqp-100pct (report=False), gqp-5pct-logged, gqp-100pct-logged
+gqp-0pct-noroutes (pct=0 without the per-route counting), gqp-5pct, gqp-100pct (report=False), gqp-5pct-logged, gqp-100pct-logged
 (each report logged at INFO to a file handler), bare-logged (no profiler,
 one access line logged per request the same way), gqp-100pct-calls,
 werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
@@ -154,6 +154,15 @@ def _greqprof(**kw):
     return wrap
 
 
+def _greqprof_no_routes(**kw):
+    # (the per-route counting switched off: what it costs, side by side)
+    def wrap(app):
+        mw = _greqprof(**kw)(app)
+        mw._routes_setup(None)
+        return mw
+    return wrap
+
+
 def _report_logger():
     """A logger whose INFO records go to a FileHandler with a standard
     Formatter, as production logging does (a file in a temporary
@@ -246,6 +255,8 @@ CONFIGS = {
     "bare": ("bare app", lambda app: app),
     "gqp-0pct": ("greqprof pct=0 (blocking detection only)",
                  _greqprof(pct=0.0)),
+    "gqp-0pct-noroutes": ("greqprof pct=0, requests not counted by route",
+                          _greqprof_no_routes(pct=0.0)),
     "gqp-5pct": ("greqprof pct=0.05 (spans), report=False",
                  _greqprof(pct=0.05)),
     "gqp-100pct": ("greqprof pct=1.0 (spans), report=False",
