@@ -32,13 +32,14 @@ factory::
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
-gqp-5pct, gqp-100pct (report=False), gqp-0pct-stack100 and
-gqp-5pct-stack100 (the stack sampler at 100 Hz, the default),
-gqp-0pct-nostack (stack_hz=0), gqp-5pct-logged, gqp-100pct-logged,
-gqp-5pct-calls-logged (each report logged at INFO to a file handler),
-bare-logged (no profiler, one access line logged per request the same
-way), gqp-100pct-calls, gevent-monitor (gevent's monitor thread, no
-profiler), werkzeug, yappi.  Not a public module: used by bench/load_overhead.py only.
+gqp-0pct-noroutes (pct=0 without the per-route counting), gqp-5pct,
+gqp-100pct (report=False), gqp-0pct-stack100 and gqp-5pct-stack100 (the
+stack sampler at 100 Hz, the default), gqp-0pct-nostack (stack_hz=0),
+gqp-5pct-logged, gqp-100pct-logged, gqp-5pct-calls-logged (each report
+logged at INFO to a file handler), bare-logged (no profiler, one access
+line logged per request the same way), gqp-100pct-calls, gevent-monitor
+(gevent's monitor thread, no profiler), werkzeug, yappi.  Not a public
+module: used by bench/load_overhead.py only.
 """
 import argparse
 import json
@@ -157,6 +158,15 @@ def _greqprof(**kw):
     return wrap
 
 
+def _greqprof_no_routes(**kw):
+    # (the per-route counting switched off: what it costs, side by side)
+    def wrap(app):
+        mw = _greqprof(**kw)(app)
+        mw._routes_setup(None)
+        return mw
+    return wrap
+
+
 def _report_logger():
     """A logger whose INFO records go to a FileHandler with a standard
     Formatter, as production logging does (a file in a temporary
@@ -269,6 +279,8 @@ CONFIGS = {
     "bare": ("bare app", lambda app: app),
     "gqp-0pct": ("greqprof pct=0 (blocking detection only)",
                  _greqprof(pct=0.0)),
+    "gqp-0pct-noroutes": ("greqprof pct=0, requests not counted by route",
+                          _greqprof_no_routes(pct=0.0)),
     "gqp-5pct": ("greqprof pct=0.05 (spans), report=False",
                  _greqprof(pct=0.05)),
     "gqp-0pct-stack100": ("greqprof pct=0 stack_hz=100 (blocking detection "

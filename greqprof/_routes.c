@@ -373,7 +373,15 @@ static PyMethodDef rt_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *rt_get_cached(gqp_rt *rt, void *c)
+{
+    (void)c;
+    return PyLong_FromSsize_t(rt->cache ? PyDict_GET_SIZE(rt->cache) : 0);
+}
+
 static PyGetSetDef rt_getset[] = {
+    {"cached_paths", (getter)rt_get_cached, NULL,
+     "Paths whose route name is cached (at most 4096).", NULL},
     {"overflowed", (getter)rt_get_overflowed, NULL,
      "Requests counted under <other>: the table was full.", NULL},
     {"namer_errors", (getter)rt_get_errors, NULL,

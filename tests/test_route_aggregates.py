@@ -390,3 +390,15 @@ def test_the_servers_file_wrapper_goes_back_unwrapped(serve):
     assert s.get("/f").body == b"file"
     assert seen == [FileWrapper]
     assert counts(s.mw) == {"/f": 1}
+
+
+def test_a_scanner_costs_bounded_memory(serve):
+    """Thousands of distinct paths: at most max_routes routes plus
+    <other>, and a bounded path cache that keeps no long path."""
+    s = serve(app_of_paths, pct=0.0, report=False, max_routes=20)
+    c = s.mw._routes.counts
+    for i in range(300):
+        s.get("/scan-%d/%s" % (i, "x" * (300 if i % 2 else 10)))
+    got = counts(s.mw)
+    assert len(got) == 21 and sum(got.values()) == 300
+    assert c.cached_paths == 150   # (only the short ones)
