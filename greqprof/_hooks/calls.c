@@ -147,7 +147,7 @@ static int gqp__profile(PyObject *obj, PyFrameObject *frame, int what,
 /* ---- on only where a profile wants calls ------------------------------
  * The call hook is the thread's (PyEval_SetProfile): left on for every
  * greenlet while one request's profile wanted calls, CPython's per-call
- * tracing cost every request beside it (issue 20: 5 % of requests sampled
+ * tracing cost every request beside it (5 % of requests sampled
  * with calls=True cost 37 % of throughput).  So while calls are wanted the
  * switch hook puts it in only while the running greenlet is in a profile
  * (its request's, one it inherited, or the default a shared Profiler
