@@ -230,6 +230,26 @@ class _EndOfThread:
             thread_ended(eng)
 
 
+def truncate(mw, eng, req, now):
+    """req's profile has been open longer than max_lifetime: closed
+    and delivered now, marked truncated; the request goes on
+    unprofiled (its end finds it done)."""
+    req.truncated = True
+    req.done = True
+    req.end_ns = now
+    g = req.greenlet
+    try:
+        # (detached only from this request's profile: by now g may
+        # serve another request, in that one's profile)
+        if not g.dead and _registry.greenlet_profile(
+                eng.tracer.addr, g) == req.addr:
+            eng.tracer.attach_id(g, 0)
+        if eng.lingering.get(id(g)) is req:
+            del eng.lingering[id(g)]
+    finally:
+        mw._finalize(eng, req)
+
+
 def thread_ended(eng):
     """eng's thread is ending (called in it, as CPython drops its
     thread-locals; its hub may be gone already): its queued requests are
@@ -239,7 +259,6 @@ def thread_ended(eng):
     if eng.abandoned or eng.pid != os.getpid() or \
             eng.thread_ident != real_get_ident():
         return   # (a forked child drops the parent's threads: not ours)
-    from .loops import truncate   # (loops imports this module)
     now = _lowlevel.wall_ns()
     hub_before = _hub_now()
     try:

@@ -93,26 +93,6 @@ def start_reaper(mw, eng):
         mw._internal_error("reaper", e)
 
 
-def truncate(mw, eng, req, now):
-    """req's profile has been open longer than max_lifetime: closed
-    and delivered now, marked truncated; the request goes on
-    unprofiled (its end finds it done)."""
-    req.truncated = True
-    req.done = True
-    req.end_ns = now
-    g = req.greenlet
-    try:
-        # (detached only from this request's profile: by now g may
-        # serve another request, in that one's profile)
-        if not g.dead and _registry.greenlet_profile(
-                eng.tracer.addr, g) == req.addr:
-            eng.tracer.attach_id(g, 0)
-        if eng.lingering.get(id(g)) is req:
-            del eng.lingering[id(g)]
-    finally:
-        mw._finalize(eng, req)
-
-
 def start_drain_loop(mw, eng):
     eng.drain_started = True
     try:
@@ -242,7 +222,7 @@ def _reaper_loop(ref):
                     now - req.start_ns < mw._max_lifetime_ns:
                 continue
             try:
-                truncate(mw, eng, req, now)
+                _engine.truncate(mw, eng, req, now)
             except Exception as e:
                 mw._internal_error("max_lifetime", e)
             # (any other BaseException: truncate's _finalize released the

@@ -152,7 +152,7 @@ def test_a_truncation_does_not_detach_the_next_request(serve, gc_off):
     here) and the greenlet goes on to request 2; max_lifetime closes
     request 1's profile while request 2 runs (the reaper's truncate,
     called here at a known point): request 2 keeps its greenlet."""
-    from greqprof import _lowlevel, loops
+    from greqprof import _lowlevel, engine
     after_truncation = make_function("after_the_truncation")
 
     def app(environ, start_response):
@@ -161,7 +161,7 @@ def test_a_truncation_does_not_detach_the_next_request(serve, gc_off):
             one = [r for r in list(eng.profile_requests.values())
                    if r.path == "/one"]
             assert len(one) == 1 and not one[0].done
-            loops.truncate(s.mw, eng, one[0], _lowlevel.wall_ns())
+            engine.truncate(s.mw, eng, one[0], _lowlevel.wall_ns())
             after_truncation()
         start_response("200 OK", [("Content-Length", "2")])
         return iter([b"ok"])
