@@ -114,7 +114,7 @@ $(VPY):
 venv: $(VPY)
 	$(VPY) -m pip install -q cffi greenlet gevent pytest pytest-timeout yappi werkzeug requests gunicorn 'selenium>=4.11' hypothesis \
 	  opentelemetry-api opentelemetry-sdk opentelemetry-instrumentation-wsgi \
-	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto psycopg2-binary psycogreen flask django
+	  opentelemetry-exporter-otlp-proto-http opentelemetry-proto psycopg2-binary psycogreen flask django prometheus_client
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
 pytest: venv

@@ -29,6 +29,7 @@ import time
 import pytest
 
 from test_config import documented_keys, section
+from conftest import need_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -642,7 +643,7 @@ def fail():
 
 
 def test_flask_routes_counted_in_both_workers(start, tmp_path):
-    pytest.importorskip("flask")   # (a test extra: pyproject)
+    need_module("flask")   # (a test extra: pyproject)
     (tmp_path / "flaskroutes.py").write_text(FLASK_ROUTES_APP)
     g = Gunicorn(str(tmp_path), ["--pythonpath", str(tmp_path)], env={
         "GREQPROF_PCT": "0.2", "GREQPROF_SUMMARY_S": "0.3",

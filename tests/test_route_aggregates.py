@@ -15,6 +15,7 @@ from greqprof import ProfilingMiddleware, routes
 from greqprof.routes import OTHER
 from test_middleware import (http, parse_response, connect, read_all,  # noqa
                              serve, wait_for)
+from conftest import need_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,7 +192,7 @@ def test_blocking_events_count_by_route(serve):
 def test_flask_routes_under_pywsgi(serve):
     """Flask's matched rule names its requests (the hook is installed when
     the middleware is made); a 404 falls back to the path."""
-    flask = pytest.importorskip("flask")   # (a test extra: pyproject)
+    flask = need_module("flask")   # (a test extra: pyproject)
     app = flask.Flask("route_aggregates")
 
     @app.route("/items/<int:item_id>")
@@ -279,7 +280,7 @@ def test_set_route_bounds_what_no_request_takes():
 # Prometheus (the real server scraping gunicorn: test_prometheus.py)
 
 def test_metrics_page_in_one_process(serve):
-    pytest.importorskip("prometheus_client")   # (extra: greqprof[prometheus])
+    need_module("prometheus_client")   # (extra: greqprof[prometheus])
     s = serve(app_of_paths, pct=1.0, report=False, linger=0,
               metrics_path="/_greqprof/metrics")
     for i in range(3):

@@ -23,6 +23,7 @@ from greqprof.routes import (MAX_ROUTE, OTHER, ROUTE_KEY,
                              set_route, take_route)
 from greqprof import ProfilingMiddleware
 from test_middleware import http, http_raw, plain_server  # noqa: F401
+from conftest import need_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,7 +185,7 @@ class RouteRecorder:
 
 
 def test_flask_routes_are_the_matched_rules(plain_server):
-    flask = pytest.importorskip("flask")   # (a test extra: pyproject)
+    flask = need_module("flask")   # (a test extra: pyproject)
     assert routes.install_flask_hook() is True
     assert routes.install_flask_hook() is True   # (connects once)
     app = flask.Flask("routes_test")
@@ -234,7 +235,7 @@ def test_flask_hook_without_flask_or_its_signals(monkeypatch):
 
 
 def _django_app():
-    django = pytest.importorskip("django")   # (a test extra: pyproject)
+    django = need_module("django")   # (a test extra: pyproject)
     from django.conf import settings
     if not settings.configured:
         from django.http import HttpResponse
