@@ -350,6 +350,19 @@ class RouteStats:
         self.blocking = 0
         self.blocked = 0.0
 
+    def add_sample(self, cpu, waiting, blocking, blocked):
+        """What one sampled request of the route measured (cpu, waiting:
+        seconds or None where unknown)."""
+        self.sampled += 1
+        if cpu is not None:
+            self.cpu_sum += cpu
+            self.cpu_n += 1
+        if waiting is not None:
+            self.waiting_sum += waiting
+            self.waiting_n += 1
+        self.blocking += blocking
+        self.blocked += blocked
+
     def to_record(self):
         """A plain dict (see :meth:`RouteTable.to_records`)."""
         w = self.wall
@@ -427,15 +440,10 @@ class RouteTable:
                 st.errors += 1
             st.wall.add(wall)
             if sampled:
-                st.sampled += 1
-                if cpu is not None:
-                    st.cpu_sum += cpu
-                    st.cpu_n += 1
-                if waiting is not None:
-                    st.waiting_sum += waiting
-                    st.waiting_n += 1
-            st.blocking += blocking
-            st.blocked += blocked
+                st.add_sample(cpu, waiting, blocking, blocked)
+            else:
+                st.blocking += blocking
+                st.blocked += blocked
 
     def __len__(self):
         return len(self._routes)
@@ -516,15 +524,7 @@ class RouteAggregates:
                             continue
                         del sites[low]   # (the smallest makes room)
                     sites[site] = sites.get(site, 0.0) + seconds
-            st.sampled += 1
-            if cpu is not None:
-                st.cpu_sum += cpu
-                st.cpu_n += 1
-            if waiting is not None:
-                st.waiting_sum += waiting
-                st.waiting_n += 1
-            st.blocking += blocking
-            st.blocked += blocked
+            st.add_sample(cpu, waiting, blocking, blocked)
 
     def add_blocking(self, route, seconds):
         """A blocking event of an unsampled request of ``route`` (None:

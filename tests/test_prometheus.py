@@ -17,27 +17,13 @@ import urllib.request
 
 import pytest
 
-from test_gunicorn import Gunicorn, free_port, get, wait
+from test_gunicorn import FLASK_ROUTES_APP, Gunicorn, free_port, get, wait
 
 pytestmark = pytest.mark.timeout(90)
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
-APP = '''
-import flask
-
-app = flask.Flask("prom_routes")
-
-
-@app.route("/items/<int:item_id>")
-def item(item_id):
-    return "item %d" % item_id
-
-
-@app.route("/fail")
-def fail():
-    flask.abort(503)
-'''
+APP = FLASK_ROUTES_APP   # (Flask's routes: /items/<int:item_id>, /fail)
 
 
 def _need(what, ok):
