@@ -42,7 +42,10 @@ RID = "rid" + BAD
 
 def _strange_function():
     def template():
-        t = time.thread_time() + 0.02
+        # (0.1 s of CPU: the watchdog thread must get a CPU and the GIL
+        # while it lasts to take the stack, which a loaded machine may
+        # delay past 20 ms: a CI run once saw no stack at all)
+        t = time.thread_time() + 0.1
         while time.thread_time() < t:   # holds the loop: a blocking span
             pass
         return 1
