@@ -405,7 +405,12 @@ class Watchdog:
     @classmethod
     def ensure(cls, blocking_ns):
         with _engines_lock:
-            if cls.instance is not None:
+            old = cls.instance
+            # (one thread for the process; a middleware with a lower
+            # threshold than the first one's gets a new one that looks
+            # more often at once, or its blocking spans end before their
+            # stack is taken; the old one ends at its next wake-up)
+            if old is not None and blocking_ns >= old.blocking_ns:
                 return
             cls.instance = wd = cls(blocking_ns)
         start, _ = _real_thread_functions()

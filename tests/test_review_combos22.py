@@ -240,3 +240,61 @@ def test_profiler_started_before_the_middleware_keeps_its_own_clock(
         assert req.ttot >= WAIT * 0.95, req.ttot
     else:
         assert req.ttot < WAIT / 2, req.ttot
+
+
+WATCHDOG_LOWERED = r'''
+from gevent import monkey; monkey.patch_all()
+import json, sys, time, urllib.request
+import gevent
+from gevent.pywsgi import WSGIServer
+from greqprof import ProfilingMiddleware
+
+def burn():
+    t = time.thread_time() + 0.1
+    while time.thread_time() < t:
+        pass
+
+def app(environ, start_response):
+    gevent.spawn(burn).join()
+    start_response("200 OK", [])
+    return [b"ok"]
+
+def serve(mw, n):
+    s = WSGIServer(("127.0.0.1", 0), mw, log=None)
+    s.start()
+    for _ in range(n):
+        urllib.request.urlopen("http://127.0.0.1:%d/" % s.server_port).read()
+    s.stop()
+
+# The first middleware in the process starts the watchdog for 1 s spans.
+serve(ProfilingMiddleware(app, pct=1.0, report=False, sink=lambda p: None,
+                          blocking_ms=1000), 1)
+got = []
+mw = ProfilingMiddleware(app, pct=1.0, report=False, sink=got.append,
+                         blocking_ms=5)
+serve(mw, 3)
+mw.flush()
+print(json.dumps([[bool(b.sampled_stack) for b in p.blocking] for p in got]))
+'''
+
+
+def test_a_lower_blocking_ms_later_gets_its_stacks(tmp_path):
+    # The watchdog thread is one per process: made for the first
+    # middleware's 1 s threshold it looked every 333 ms, so a later
+    # middleware's 100 ms blocking spans (blocking_ms=5) had no stack
+    # taken while they held the loop (0 of 3 before).
+    import json
+    import subprocess
+    import sys
+    from conftest import CHILD_CWD, child_env
+    script = tmp_path / "lowered.py"
+    script.write_text(WATCHDOG_LOWERED)
+    out = subprocess.run([sys.executable, str(script)], cwd=CHILD_CWD,
+                         env=child_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    events = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(events) == 3 and all(events), events
+    with_stack = sum(all(e) for e in events)
+    # (the first span may end before the new thread's first look)
+    assert with_stack >= 2, events
