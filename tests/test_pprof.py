@@ -27,6 +27,7 @@ from greqprof.request_profile import RequestProfile, WaitSite
 from test_middleware import ok, serve  # noqa: F401 (a fixture)
 from test_renderers import process_profiler  # noqa: F401 (a fixture)
 from test_renderers import HOSTILE, _worker, synthetic_profile
+from conftest import CHILD_CWD, child_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -498,12 +499,14 @@ def test_view_converts_a_saved_profile(tmp_path, pprof_tool):
     dst = tmp_path / "p.pb.gz"
     r = subprocess.run([sys.executable, "-m", "greqprof", "view", str(src),
                         "--format", "pprof", "-o", str(dst)],
-                       capture_output=True, timeout=60)
+                       capture_output=True, timeout=60, cwd=CHILD_CWD,
+                       env=child_env())
     assert r.returncode == 0, r.stderr.decode()
     assert dst.read_bytes() == render(RequestProfile.load(str(src)), "pprof")
     check_calls(Raw(pprof_tool(dst, "-raw")), RequestProfile.load(str(src)))
     r = subprocess.run([sys.executable, "-m", "greqprof", "view", str(src),
-                        "--format", "pprof"], capture_output=True, timeout=60)
+                        "--format", "pprof"], capture_output=True, timeout=60,
+                       cwd=CHILD_CWD, env=child_env())
     assert r.returncode == 2 and b"binary" in r.stderr
 
 
