@@ -61,7 +61,7 @@ URL_PATH = "/hello?name=bench"
 APP_PATHS = {"hello": "/hello?name=bench", "api": "/api?page=2"}
 
 #: greqprof rows that sample no request (pct=0): any sample is an error
-NO_SAMPLING = {"gqp-0pct"}
+NO_SAMPLING = {"gqp-0pct", "gqp-0pct-nostack", "gqp-0pct-noroutes"}
 #: greqprof targets: minimum median req/s ratio to the bare app
 TARGETS = {"gqp-5pct": 0.99, "gqp-100pct": 0.97,
            "gunicorn:gqp-5pct": 0.99,
@@ -94,6 +94,10 @@ CONFIGS = [
         "(monitor_thread=True, max_blocking_time=0.1), no profiler"),
     Cfg("gqp-0pct", "greqprof pct=0: blocking detection only (the path "
         "of unsampled requests)"),
+    Cfg("gqp-0pct-nostack", "greqprof pct=0, stack_hz=0: without the "
+        "stack sampler (its cost: gqp-0pct against this)"),
+    Cfg("gqp-0pct-noroutes", "greqprof pct=0, requests not counted by "
+        "route (the per-route counting's cost: gqp-0pct against this)"),
     Cfg("gqp-5pct", "greqprof pct=0.05, spans only, report=False"),
     Cfg("gqp-100pct", "greqprof pct=1.0, spans only, report=False"),
     Cfg("gqp-5pct-logged", "greqprof pct=0.05, each report logged at INFO "
