@@ -67,6 +67,28 @@ def _name(text):
     return text
 
 
+def route_name(name):
+    """``name`` as mw.routes() shows it (clean, cut); ``OTHER`` for
+    an empty one."""
+    return _name(name) or OTHER
+
+
+#: set by greqprof.sampler: sampler_name(name) tells the stack sampler the
+#: route of the request the calling greenlet serves (C; True if found)
+_sampler_name = None
+
+
+def _tell_sampler(name, hook=False):
+    fn = _sampler_name
+    if hook and _named and getcurrent() in _named:
+        return   # (set_route's name wins over a template)
+    if fn is not None:
+        try:
+            fn(name)
+        except Exception:
+            pass
+
+
 # ---------------------------------------------------------------------------
 # set_route: a name per greenlet, taken by the request it serves
 
@@ -93,7 +115,8 @@ def set_route(name):
         raise ValueError("set_route: the route name must not be empty")
     if len(_named) >= _MAX_NAMED:
         _named.clear()   # (names no request took: bounded memory)
-    _named[getcurrent()] = _name(name)
+    name = _named[getcurrent()] = _name(name)
+    _tell_sampler(name)
     return True
 
 
@@ -207,7 +230,10 @@ def _flask_request_started(sender, **extra):
         from flask import request
         rule = request.url_rule
         if rule is not None:
-            request.environ[ROUTE_KEY] = rule.rule
+            environ = request.environ
+            environ[ROUTE_KEY] = rule.rule
+            _tell_sampler(rule.rule if not environ.get("SCRIPT_NAME")
+                          else framework_route(environ), hook=True)
     except Exception:
         pass   # (a route name is never worth breaking the request)
 
@@ -253,7 +279,9 @@ class DjangoRouteMiddleware:
         try:
             route = request.resolver_match.route
             if route:
-                request.environ[ROUTE_KEY] = "/" + route.lstrip("^")
+                environ = request.environ
+                environ[ROUTE_KEY] = "/" + route.lstrip("^")
+                _tell_sampler(framework_route(environ), hook=True)
         except Exception:
             pass
         return None

@@ -43,9 +43,15 @@ watched = weakref.WeakSet()
 
 
 def route_of(path):
-    """The route a sample of a request for ``path`` counts under (the one
-    place that names it: the route table's name may replace it)."""
+    """The route a sample of a request for ``path`` counts under until the
+    app names its route (set_route, the Flask and Django hooks: then
+    that name, as mw.routes() has it)."""
     return _routes.path_route(path)
+
+
+# set_route and the framework hooks tell the sampler (in C) the route of
+# the request the calling greenlet serves.
+_routes._sampler_name = _registry.sampler_name
 
 
 class _Table:
@@ -60,11 +66,13 @@ class _Table:
         self.frames = []          # frame id -> (code, line)
         self.frame_ids = {}       # (code address, line) -> frame id
         self.routes = {}          # path -> route (cache)
+        self.names = {}           # name the app gave -> cleaned (cache)
         self.start_ns = time.time_ns()
         _registry.sampler_setup(self.counts, self.ids, self.stacks,
                                 self.frames, self.frame_ids, self.routes,
-                                route_of, NO_REQUEST, OTHER, MAX_STACKS,
-                                MAX_FRAMES, MAX_KEYS)
+                                route_of, self.names, _routes.route_name,
+                                NO_REQUEST, OTHER, MAX_STACKS, MAX_FRAMES,
+                                MAX_KEYS)
 
 
 _table = _Table()
