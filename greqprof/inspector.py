@@ -194,6 +194,9 @@ class Inspector:
         self._html = HtmlRenderer()
         #: the middleware's RouteAggregates (the Routes page), or None
         self.routes = None
+        #: the middleware's stack_hz: the Routes page links the stack
+        #: samples of each route (0: off)
+        self.stack_hz = 0
 
     def __repr__(self):
         return "<Inspector %s keep=%d>" % (self.path, self.keep)
@@ -285,6 +288,9 @@ class Inspector:
             return self._list(environ, start_response)
         if sub == "/routes" and self.routes is not None:
             return self._routes_page(environ, start_response)
+        if sub in ("/routes/pprof", "/routes/speedscope") and \
+                self.routes is not None:
+            return self._stacks(environ, start_response, sub[8:])
         m = _ID.match(sub)
         if m:
             profile = self.get(int(m.group(1)))
@@ -359,29 +365,45 @@ class Inspector:
             sort = "cpu"
         records = sorted(self.routes.to_records(), key=keys[sort],
                          reverse=True)
+        def stack_links(route):
+            # (the route's flame graph and pprof from the stack samples)
+            if not self.stack_hz:
+                return ""
+            kw = {} if route is None else {"route": route}
+            return ('<a href="%s">flame graph</a> <a href="%s">pprof</a>'
+                    % (
+                        esc(self._query_url(environ, "/routes/speedscope",
+                                            **kw)),
+                        esc(self._query_url(environ, "/routes/pprof",
+                                            **kw))))
         rows = []
         for r in records:
             waiting_total = (r["waiting"] * r["requests"]
                              if r["waiting"] is not None else None)
             rows.append(
                 '<tr class="gq-route-row"><td class="gq-path">'
-                '<a href="%s">%s</a></td>%s</tr>' % (
+                '<a href="%s">%s</a></td>%s%s</tr>' % (
                     esc(self._query_url(environ, "/", route=r["route"])),
-                    esc(r["route"]), "".join(
+                    esc(r["route"]), '<td class="gq-stacks">%s</td>'
+                    % stack_links(r["route"]) if self.stack_hz else "",
+                    "".join(
                         '<td class="gq-num">%s</td>' % v for v in (
                             r["requests"], r["errors"], r["sampled"],
                             _ms(r["wall_p50"]), _ms(r["wall_p99"]),
                             _ms(r["cpu"]), _ms(r["cpu_total"]),
                             _ms(r["waiting"]), _ms(waiting_total),
                             r["blocking"], _ms(r["blocked"])))))
-        heads = [("route", None), ("requests", "requests"),
+        heads = [("route", None)] + (
+            [("stack samples", None)] if self.stack_hz else []) + [
+                 ("requests", "requests"),
                  ("errors", None), ("sampled", None), ("p50", None),
                  ("p99", "p99"), ("CPU/req", None), ("total CPU", "cpu"),
                  ("waiting/req", None), ("total waiting", "waiting"),
                  ("blocking", "blocking"), ("blocked", None)]
         head = "".join(
             '<th%s>%s</th>' % (
-                ' class="gq-num"' if i else "",
+                "" if name in ("route", "stack samples")
+                else ' class="gq-num"',
                 '<a href="%s">%s%s</a>' % (
                     esc(self._query_url(environ, "/routes", sort=key)),
                     name, " \u25bc" if key == sort else "")
@@ -404,9 +426,36 @@ class Inspector:
             'route; CPU and waiting are estimated from the sampled '
             'requests</span></header><main><h1>Routes (%d)</h1>'
             '<div class="gq-list-actions"><a href="%s">\u2190 profiles</a>'
-            '</div>%s</main></body></html>' % (
-                css, len(rows), esc(self._url(environ, "/")), table))
+            '%s</div>%s</main></body></html>' % (
+                css, len(rows), esc(self._url(environ, "/")),
+                (' <span class="gq-note">stack samples of every route '
+                 '(speedscope.app opens the flame graph):</span> '
+                 + stack_links(None) if self.stack_hz else ""), table))
         return self._html_response(start_response, page, csp)
+
+    def _stacks(self, environ, start_response, fmt):
+        """The stack samples (stack_hz) of ?route= (every route without
+        it) as a gzipped pprof profile or a speedscope document."""
+        if not self.stack_hz:
+            return self._plain(start_response, "404 Not Found",
+                               "stack sampling is off (stack_hz)\n")
+        from . import sampler
+        route = parse_qs(environ.get("QUERY_STRING", "")).get(
+            "route", [None])[0]
+        period = sampler.period_ns() or int(1e9 / self.stack_hz)
+        if fmt == "pprof":
+            data = sampler.pprof_bytes(period, route)[0]
+            ctype, name = "application/octet-stream", "greqprof-stacks.pb.gz"
+        else:
+            import json
+            data = json.dumps(sampler.speedscope(period, route),
+                              separators=(",", ":")).encode("utf-8")
+            ctype = "application/json"
+            name = "greqprof-stacks.speedscope.json"
+        start_response("200 OK", self._headers(ctype, [
+            ("Content-Length", str(len(data))),
+            ("Content-Disposition", 'attachment; filename="%s"' % name)]))
+        return [data]
 
     def _list(self, environ, start_response):
         def esc(text, quote=True):

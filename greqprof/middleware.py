@@ -225,6 +225,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._routes_setup(self._routes.counts)
             if self.inspector is not None:
                 self.inspector.routes = self._routes
+                self.inspector.stack_hz = self._stack_hz
             self.metrics = None
             self.metrics_path = metrics_path
             if metrics_path is not None:
@@ -290,18 +291,19 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         SIGTERM and SIGINT."""
         return loops.flush_thread(timeout)
 
-    def write_pprof(self, path):
+    def write_pprof(self, path, route=None):
         """Writes the stack samples so far (``stack_hz``) to ``path`` as a
         gzipped pprof ``profile.proto``: sample types samples/count and
         cpu/nanoseconds (samples x the sampling period), a ``route`` label
-        on each sample (docs/fleet.md).  The samples are the process's:
-        every thread a middleware with ``stack_hz`` serves.  Returns the
-        number of samples written."""
+        on each sample (docs/fleet.md); only ``route``'s samples when
+        given (a name as :meth:`routes` shows it).  The samples are the
+        process's: every thread a middleware with ``stack_hz`` serves.
+        Returns the number of samples written."""
         if not self._stack_hz:
             raise ConfigError("write_pprof: stack_hz is off for this "
                               "middleware (stack_hz=%r)" % (self._stack_hz,))
         return sampler.write_pprof(path, sampler.period_ns()
-                                   or int(1e9 / self._stack_hz))
+                                   or int(1e9 / self._stack_hz), route)
 
     def __repr__(self):
         # Never show the trigger secret.

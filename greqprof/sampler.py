@@ -18,6 +18,7 @@ import weakref
 from . import _lowlevel, _registry
 from ._core import lib
 from .pprof import ProfileBuilder
+from ._text import clean
 from . import routes as _routes
 
 #: distinct stacks kept; samples of further stacks count as <other>
@@ -145,19 +146,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def samples():
+def samples(route=None):
     """[(route, ((function, file, line), ...) leaf first, count)] of the
-    samples so far (a stack of ``()`` is one that was not kept)."""
+    samples so far (a stack of ``()`` is one that was not kept); only
+    those of ``route`` when given."""
+    if route is not None and not isinstance(route, str):
+        raise TypeError("route must be a str or None, got %s"
+                        % type(route).__name__)
     t = _table
     counts = dict(t.counts)
     stacks = t.stacks[:]
     frames = t.frames[:]
     named = {}
     out = []
-    for (route, sid), n in counts.items():
+    for (r, sid), n in counts.items():
+        if route is not None and r != route:
+            continue
         ids = array.array("I", stacks[sid] if 0 <= sid < len(stacks)
                           else b"")
-        out.append((route, tuple(_frame(frames, i, named) for i in ids), n))
+        out.append((r, tuple(_frame(frames, i, named) for i in ids), n))
     return out
 
 
@@ -173,18 +180,28 @@ def _frame(frames, fid, named):
     return f
 
 
-def write_pprof(path, period_ns):
-    """Writes the samples so far to ``path`` as a gzipped pprof profile:
-    sample types samples/count and cpu/nanoseconds (count x period_ns),
-    a ``route`` label on each sample.  Returns the number of samples."""
+def _period(period_ns):
+    if isinstance(period_ns, bool) or not isinstance(period_ns, int) or \
+            period_ns <= 0:
+        raise ValueError("period_ns must be an int > 0, got %r"
+                         % (period_ns,))
+    return period_ns
+
+
+def pprof_bytes(period_ns, route=None):
+    """(gzipped pprof profile of the samples so far, or of ``route``'s
+    only; the number of samples in it): sample types samples/count and
+    cpu/nanoseconds (count x period_ns), a ``route`` label on each."""
+    period_ns = _period(period_ns)
     b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")],
                        default_type="cpu", period_type=("cpu", "nanoseconds"),
                        period=period_ns, time_nanos=_table.start_ns,
                        duration_nanos=max(0, time.time_ns() - _table.start_ns),
-                       comments=["greqprof stack samples"])
+                       comments=["greqprof stack samples" + (
+                           "" if route is None else " of one route")])
     total = 0
     other_fn = None
-    for route, frames, n in samples():
+    for r, frames, n in samples(route):
         if frames:
             locs = [b.location(b.function(name, file), line)
                     for name, file, line in frames]
@@ -192,11 +209,63 @@ def write_pprof(path, period_ns):
             if other_fn is None:
                 other_fn = b.function(OTHER)
             locs = [b.location(other_fn)]
-        b.sample(locs, [n, n * period_ns], labels={"route": route})
+        b.sample(locs, [n, n * period_ns], labels={"route": r})
         total += n
-    data = b.to_bytes()
+    return b.to_bytes(), total
+
+
+def write_pprof(path, period_ns, route=None):
+    """Writes :func:`pprof_bytes` to ``path`` (atomically: a temporary
+    file renamed).  Returns the number of samples written."""
+    data, total = pprof_bytes(period_ns, route)
     tmp = "%s.tmp%d" % (os.fspath(path), os.getpid())
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
     return total
+
+
+#: speedscope's file format
+SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
+
+
+def speedscope(period_ns, route=None):
+    """The samples so far (or ``route``'s only) as a speedscope document
+    (a dict; https://www.speedscope.app opens it as a flame graph): one
+    ``sampled`` profile whose stacks are root first, weighed in
+    nanoseconds (count x period_ns).  Without ``route``, each stack's
+    root is a frame naming its route."""
+    period_ns = _period(period_ns)
+    frames, index = [], {}
+
+    def frame(key, name, file=None, line=None):
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(frames)
+            fr = {"name": name}
+            if file:
+                fr["file"] = file
+            if line:
+                fr["line"] = line
+            frames.append(fr)
+        return i
+    stacks, weights = [], []
+    for r, stack, n in sorted(samples(route), key=lambda x: (x[0], -x[2])):
+        ids = [frame(f, clean(f[0]), clean(f[1]), f[2])
+               for f in reversed(stack)] or \
+            [frame(OTHER, OTHER)]
+        if route is None:
+            ids.insert(0, frame(("route", r), "route " + r))
+        stacks.append(ids)
+        weights.append(n * period_ns)
+    total = sum(weights)
+    name = "greqprof stack samples" + ("" if route is None else
+                                       " of route " + route)
+    return {
+        "$schema": SPEEDSCOPE_SCHEMA,
+        "shared": {"frames": frames},
+        "profiles": [{"type": "sampled", "name": name,
+                      "unit": "nanoseconds", "startValue": 0,
+                      "endValue": total, "samples": stacks,
+                      "weights": weights}],
+        "name": name, "activeProfileIndex": 0, "exporter": "greqprof"}

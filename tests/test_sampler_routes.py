@@ -6,16 +6,20 @@ Real Flask and Django apps on real ``gevent.pywsgi`` servers, loaded by
 clients in real OS threads; the CPU-busy views run after the route is
 known, so every sample of their burning function is under the route's
 name.  The pprof file is read back with the real ``go tool pprof``."""
+import html
 import http.client
+import json
+import re
 import sys
 import threading
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from gevent import pywsgi
 
 from greqprof import ProfilingMiddleware, sampler, set_route
 from conftest import need_module
-from test_middleware import reset_greqprof, wait_for
+from test_middleware import http as get, reset_greqprof, wait_for
 from test_pprof import Raw, pprof_tool  # noqa: F401 (a fixture)
 from test_sampler import burn_cpu, fresh_sampler, load  # noqa: F401
 
@@ -31,7 +35,8 @@ def serve():
 
     def start(app, **kw):
         kw.setdefault("pct", 0.0)
-        mw = ProfilingMiddleware(app, report=False, stack_hz=HZ, **kw)
+        kw.setdefault("stack_hz", HZ)
+        mw = ProfilingMiddleware(app, report=False, **kw)
         mws.append(mw)
         s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
         s.start()
@@ -172,3 +177,88 @@ def test_sampler_name_outside_a_request_is_refused():
     from greqprof import _registry
     assert _registry.sampler_name("x") is False
     assert _registry.sampler_name(3) is False
+
+
+# ---------------------------------------------------------------------------
+# the inspector's Routes page links each route's stack samples
+
+def _links(page, kind):
+    """{route or None: the href of its `kind` link} of the Routes page"""
+    out = {}
+    for href in re.findall(r'href="([^"]*/routes/%s[^"]*)"' % kind, page):
+        href = html.unescape(href)
+        q = parse_qs(urlsplit(href).query)
+        out[q["route"][0] if "route" in q else None] = href
+    return out
+
+
+def test_routes_page_links_flame_graphs_and_pprof(serve, tmp_path,
+                                                  pprof_tool, fresh_sampler):
+    mw, port = serve(flask_app(), ui_path="/_greqprof")
+    load([port], ["/items/%d", "/pay/%d"] * 5)
+    page = get(port, "/_greqprof/routes").body.decode()
+    pprofs, flames = _links(page, "pprof"), _links(page, "speedscope")
+    item = "/items/<int:item_id>"
+    assert {item, "checkout", None} <= set(pprofs) & set(flames), page
+    # One route's pprof: its samples only, its function among them,
+    # read back by the real pprof.
+    r = get(port, pprofs[item])
+    assert r.status == 200 and "attachment" in r.headers.get(
+        "content-disposition", ""), r.headers
+    path = tmp_path / "item.pb.gz"
+    path.write_bytes(r.body)
+    raw = Raw(pprof_tool(path, "-raw"))
+    assert raw.samples and {lb.get("route") for _, _, lb in
+                            raw.samples} == {item}
+    assert any(BURN in names for _, names, _ in raw.stacks())
+    # Every route's: both routes labelled.
+    path.write_bytes(get(port, pprofs[None]).body)
+    labels = {lb.get("route") for _, _, lb in
+              Raw(pprof_tool(path, "-raw")).samples}
+    assert {item, "checkout"} <= labels, labels
+    # The flame graph: a speedscope document of the route's samples,
+    # stacks root first (the burning function is a leaf).
+    doc = json.loads(get(port, flames["checkout"]).body)
+    assert doc["$schema"].startswith("https://www.speedscope.app/")
+    (prof,) = doc["profiles"]
+    names = [f["name"] for f in doc["shared"]["frames"]]
+    assert prof["type"] == "sampled" and prof["unit"] == "nanoseconds"
+    assert any(names[s[-1]] == BURN for s in prof["samples"]), doc
+    n = sum(c for _, _, c in sampler.samples("checkout"))
+    period = int(1e9 / HZ)
+    assert sum(prof["weights"]) == prof["endValue"]
+    assert 0 < sum(prof["weights"]) <= n * period   # (n: counted later)
+    doc = json.loads(get(port, flames[None]).body)
+    names = [f["name"] for f in doc["shared"]["frames"]]
+    roots = {names[s[0]] for s in doc["profiles"][0]["samples"]}
+    assert {"route " + item, "route checkout"} <= roots, roots
+    # The inspector's access rules hold for them.
+    assert get(port, pprofs[item], headers=[
+        ("Host", "evil.example")]).status == 403
+
+
+def test_without_stack_hz_the_routes_page_links_no_samples(serve):
+    mw, port = serve(flask_app(), stack_hz=0, ui_path="/_greqprof")
+    assert get(port, "/items/3").status == 200
+    page = get(port, "/_greqprof/routes").body.decode()
+    assert "/items/&lt;int:item_id&gt;" in page
+    assert "/routes/pprof" not in page and "flame graph" not in page
+    assert get(port, "/_greqprof/routes/pprof").status == 404
+    assert get(port, "/_greqprof/routes/speedscope").status == 404
+
+
+def test_pprof_and_speedscope_of_a_route_without_samples(fresh_sampler,
+                                                         tmp_path,
+                                                         pprof_tool):
+    data, n = sampler.pprof_bytes(10 ** 7, "/nothing")
+    assert n == 0
+    path = tmp_path / "empty.pb.gz"
+    path.write_bytes(data)
+    assert Raw(pprof_tool(path, "-raw")).samples == []
+    doc = sampler.speedscope(10 ** 7, "/nothing")
+    assert doc["profiles"][0]["samples"] == [] and \
+        doc["profiles"][0]["endValue"] == 0
+    with pytest.raises(ValueError, match="period_ns"):
+        sampler.speedscope(0)
+    with pytest.raises(TypeError, match="route"):
+        sampler.pprof_bytes(10 ** 7, 3)
