@@ -27,6 +27,7 @@ import itertools
 import re
 import secrets
 import threading
+import zlib
 from urllib.parse import parse_qs, quote, urlencode
 
 from . import _registry, config
@@ -291,6 +292,8 @@ class Inspector:
         if sub in ("/routes/pprof", "/routes/speedscope") and \
                 self.routes is not None:
             return self._stacks(environ, start_response, sub[8:])
+        if sub == "/routes/flame" and self.routes is not None:
+            return self._flame_page(environ, start_response)
         m = _ID.match(sub)
         if m:
             profile = self.get(int(m.group(1)))
@@ -370,8 +373,9 @@ class Inspector:
             if not self.stack_hz:
                 return ""
             kw = {} if route is None else {"route": route}
-            return ('<a href="%s">flame graph</a> <a href="%s">pprof</a>'
-                    % (
+            return ('<a href="%s">flame graph</a> <a href="%s">speedscope'
+                    '</a> <a href="%s">pprof</a>' % (
+                        esc(self._query_url(environ, "/routes/flame", **kw)),
                         esc(self._query_url(environ, "/routes/speedscope",
                                             **kw)),
                         esc(self._query_url(environ, "/routes/pprof",
@@ -456,6 +460,72 @@ class Inspector:
             ("Content-Length", str(len(data))),
             ("Content-Disposition", 'attachment; filename="%s"' % name)]))
         return [data]
+
+    def _flame_page(self, environ, start_response):
+        """A flame graph (an SVG drawn here, no script) of the stack
+        samples of ?route= (every route without it), with links to the
+        same samples as pprof and speedscope."""
+        if not self.stack_hz:
+            return self._plain(start_response, "404 Not Found",
+                               "stack sampling is off (stack_hz)\n")
+        from . import sampler
+
+        def esc(text, quote=True):
+            return html.escape(clean(text), quote)
+        route = parse_qs(environ.get("QUERY_STRING", "")).get(
+            "route", [None])[0]
+        root = sampler.flame(route)
+        width, row = 1200.0, 18
+        rects, depth = [], [0]
+        total = root[2] or 1
+
+        def draw(node, x, level):
+            w = node[2] / total * width
+            depth[0] = max(depth[0], level + 1)
+            hue = zlib.crc32(node[0].encode("utf-8", "replace")) % 55
+            label = node[0] if w >= 40 else ""
+            if len(label) * 7 > w - 6:
+                label = label[:max(int((w - 6) / 7) - 2, 0)] + ".."
+            rects.append(
+                '<g><title>%s%s: %d samples (%.1f %%)</title>'
+                '<rect x="%.2f" y="%d" width="%.2f" height="%d" '
+                'fill="hsl(%d,85%%,62%%)" stroke="#fff" stroke-width="0.5"/>'
+                '<text x="%.2f" y="%d" font-size="12">%s</text></g>' % (
+                    esc(node[0]), esc(" (%s)" % node[1]) if node[1] else "",
+                    node[2], 100.0 * node[2] / total, x, level * row,
+                    max(w, 0.1), row, hue, x + 3, level * row + 13,
+                    esc(label)))
+            for c in sorted(node[3].values(), key=lambda c: c[0]):
+                draw(c, x, level + 1)
+                x += c[2] / total * width
+        draw(root, 0.0, 0)
+        kw = {} if route is None else {"route": route}
+        svg = ('<svg class="gq-flame" xmlns="http://www.w3.org/2000/svg" '
+               'viewBox="0 0 %d %d" width="100%%" font-family="monospace">'
+               '%s</svg>' % (width, depth[0] * row, "".join(rects))
+               if root[2] else '<p class="gq-note gq-empty">No stack '
+               'samples of this route yet.</p>')
+        css = asset("timeline.css")
+        csp = content_security_policy(styles=[css])
+        page = (
+            '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            '<meta name="referrer" content="no-referrer">'
+            '<meta name="viewport" content="width=device-width, '
+            'initial-scale=1"><title>greqprof flame graph</title>'
+            '<style>%s</style></head><body>'
+            '<header class="gq-top"><span class="gq-brand">greqprof</span>'
+            '<span>stack samples (stack_hz) of this process since it '
+            'started: where the route\'s requests ran Python, by '
+            'function; hover a frame for its share</span></header><main>'
+            '<h1>Flame graph: %s (%d samples)</h1>'
+            '<div class="gq-list-actions"><a href="%s">\u2190 routes</a> '
+            '<a href="%s">speedscope</a> <a href="%s">pprof</a></div>'
+            '%s</main></body></html>' % (
+                css, esc(route if route is not None else "every route"),
+                root[2], esc(self._url(environ, "/routes")),
+                esc(self._query_url(environ, "/routes/speedscope", **kw)),
+                esc(self._query_url(environ, "/routes/pprof", **kw)), svg))
+        return self._html_response(start_response, page, csp)
 
     def _list(self, environ, start_response):
         def esc(text, quote=True):

@@ -269,3 +269,34 @@ def speedscope(period_ns, route=None):
                       "endValue": total, "samples": stacks,
                       "weights": weights}],
         "name": name, "activeProfileIndex": 0, "exporter": "greqprof"}
+
+
+def flame(route=None, min_share=0.002):
+    """The samples so far (``route``'s, or every route's under one frame
+    per route) merged by function into a tree for a flame graph: nodes
+    ``[name, file, samples, {key: child}]`` from the root (named "all"),
+    children merged by (function, file).  Branches with less than
+    ``min_share`` of the samples are left out (their samples stay in
+    their parent's count), which bounds the tree to about 1/min_share
+    nodes per level."""
+    root = ["all", "", 0, {}]
+    for r, stack, n in samples(route):
+        root[2] += n
+        node = root
+        path = [(f[0], f[1]) for f in reversed(stack)] or [(OTHER, "")]
+        if route is None:
+            path.insert(0, ("route " + r, ""))
+        for name, file in path:
+            child = node[3].get((name, file))
+            if child is None:
+                child = node[3][(name, file)] = [name, file, 0, {}]
+            child[2] += n
+            node = child
+    low = root[2] * min_share
+
+    def prune(node):
+        node[3] = {k: c for k, c in node[3].items() if c[2] >= low}
+        for c in node[3].values():
+            prune(c)
+    prune(root)   # (recursion: at most 66 levels deep)
+    return root

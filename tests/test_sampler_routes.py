@@ -198,8 +198,23 @@ def test_routes_page_links_flame_graphs_and_pprof(serve, tmp_path,
     load([port], ["/items/%d", "/pay/%d"] * 5)
     page = get(port, "/_greqprof/routes").body.decode()
     pprofs, flames = _links(page, "pprof"), _links(page, "speedscope")
+    views = _links(page, "flame")
     item = "/items/<int:item_id>"
-    assert {item, "checkout", None} <= set(pprofs) & set(flames), page
+    assert {item, "checkout", None} <= set(pprofs) & set(flames) & \
+        set(views), page
+    # The built-in flame graph: an SVG page, no script, the route's
+    # burning function a frame of it.
+    r = get(port, views[item])
+    assert r.status == 200 and "script-src 'none'" in r.headers[
+        "content-security-policy"]
+    view = r.body.decode()
+    assert "<svg" in view and "<script" not in view
+    assert "<title>%s (" % BURN in view
+    assert "Flame graph: /items/&lt;int:item_id&gt; (" in view
+    assert "checkout" not in view.split("<svg", 1)[1]   # (its route's only)
+    view = get(port, views[None]).body.decode()
+    assert "<title>route checkout:" in view and \
+        "<title>route /items/&lt;int:item_id&gt;:" in view
     # One route's pprof: its samples only, its function among them,
     # read back by the real pprof.
     r = get(port, pprofs[item])
@@ -245,6 +260,7 @@ def test_without_stack_hz_the_routes_page_links_no_samples(serve):
     assert "/routes/pprof" not in page and "flame graph" not in page
     assert get(port, "/_greqprof/routes/pprof").status == 404
     assert get(port, "/_greqprof/routes/speedscope").status == 404
+    assert get(port, "/_greqprof/routes/flame").status == 404
 
 
 def test_pprof_and_speedscope_of_a_route_without_samples(fresh_sampler,
@@ -258,6 +274,7 @@ def test_pprof_and_speedscope_of_a_route_without_samples(fresh_sampler,
     doc = sampler.speedscope(10 ** 7, "/nothing")
     assert doc["profiles"][0]["samples"] == [] and \
         doc["profiles"][0]["endValue"] == 0
+    assert sampler.flame("/nothing") == ["all", "", 0, {}]
     with pytest.raises(ValueError, match="period_ns"):
         sampler.speedscope(0)
     with pytest.raises(TypeError, match="route"):
