@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, quote, urlencode
 from . import _registry, config
 from ._text import clean
 from .errors import ConfigError
+from .routes import RECENT_S
 from .renderers import RENDERERS, RenderError, get_renderer
 from .renderers.html import HtmlRenderer, asset, content_security_policy
 
@@ -356,8 +357,11 @@ class Inspector:
         waiting, blocking: seconds blocked, requests)."""
         def esc(text, quote=True):
             return html.escape(clean(text), quote)
-        sort = parse_qs(environ.get("QUERY_STRING", "")).get(
-            "sort", ["cpu"])[0]
+        qs = parse_qs(environ.get("QUERY_STRING", ""))
+        sort = qs.get("sort", ["cpu"])[0]
+        # ?window=recent: about the last 5 minutes (routes.RECENT_S)
+        recent = qs.get("window", [None])[0] == "recent"
+        win = {"window": "recent"} if recent else {}
         keys = {
             "cpu": lambda r: r["cpu_total"] or 0.0,
             "p99": lambda r: r["wall_p99"] or 0.0,
@@ -366,7 +370,8 @@ class Inspector:
             "requests": lambda r: r["requests"]}
         if sort not in keys:
             sort = "cpu"
-        records = sorted(self.routes.to_records(), key=keys[sort],
+        records = sorted(self.routes.to_records(
+            "recent" if recent else None), key=keys[sort],
                          reverse=True)
         def stack_links(route):
             # (the route's flame graph and pprof from the stack samples)
@@ -409,7 +414,8 @@ class Inspector:
                 "" if name in ("route", "stack samples")
                 else ' class="gq-num"',
                 '<a href="%s">%s%s</a>' % (
-                    esc(self._query_url(environ, "/routes", sort=key)),
+                    esc(self._query_url(environ, "/routes", sort=key,
+                                        **win)),
                     name, " \u25bc" if key == sort else "")
                 if key else name)
             for i, (name, key) in enumerate(heads))
@@ -426,14 +432,21 @@ class Inspector:
             'initial-scale=1"><title>greqprof routes</title>'
             '<style>%s</style></head><body>'
             '<header class="gq-top"><span class="gq-brand">greqprof</span>'
-            '<span>every request of this process since it started, by '
+            '<span>every request of this process %s, by '
             'route; CPU and waiting are estimated from the sampled '
             'requests</span></header><main><h1>Routes (%d)</h1>'
             '<div class="gq-list-actions"><a href="%s">\u2190 profiles</a>'
-            '%s</div>%s</main></body></html>' % (
-                css, len(rows), esc(self._url(environ, "/")),
-                (' <span class="gq-note">stack samples of every route '
-                 '(speedscope.app opens the flame graph):</span> '
+            ' <a href="%s">%s</a>%s</div>%s</main></body></html>' % (
+                css, "in about the last %d minutes" % (RECENT_S // 60)
+                if recent else "since it started", len(rows),
+                esc(self._url(environ, "/")),
+                esc(self._query_url(environ, "/routes", sort=sort,
+                                    **({} if recent else
+                                       {"window": "recent"}))),
+                "since start" if recent else
+                "last %d minutes" % (RECENT_S // 60),
+                (' <span class="gq-note">stack samples of every route:'
+                 '</span> '
                  + stack_links(None) if self.stack_hz else ""), table))
         return self._html_response(start_response, page, csp)
 

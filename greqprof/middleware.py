@@ -552,7 +552,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         spans: blocking.drain."""
         blocking.drain(self, eng)
 
-    def routes(self):
+    def routes(self, window=None):
         """Per-route aggregates of every request since the middleware
         started, most requests first: plain dicts with ``route``,
         ``requests``, ``errors`` (5xx or an exception), ``status`` (per
@@ -560,12 +560,18 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         ``wall_p95``, ``wall_p99`` (seconds; quantiles within 4.4 %),
         ``cpu``, ``waiting`` (seconds per request, estimated from the
         sampled requests; None until one was), ``cpu_total``,
-        ``blocking``, ``blocked`` (docs/fleet.md)."""
-        return self._routes.to_records()
+        ``blocking``, ``blocked`` (docs/fleet.md).  ``window="recent"``:
+        only the requests of about the last 5 minutes (5 to 6; docs/
+        fleet.md says how)."""
+        return self._routes.to_records(window)
 
     def _routes_tick(self, now=None):
         """(the drain loop calls it once a second) Logs the routes summary
         when summary_s has passed and requests ran since the last one."""
+        try:
+            self._routes.tick(now)   # (the recent window's snapshots)
+        except Exception as e:
+            self._internal_error("routes", e)
         if self.metrics is not None:
             try:
                 self.metrics.sync()

@@ -21,10 +21,12 @@ middleware counts every request in C (greqprof/_routes.c: requests,
 errors, status classes, the wall histogram below) and calls the namer
 here only for what C does not name itself; :class:`RouteAggregates` joins
 those counts with what sampled requests and blocking events add."""
+import collections
 import math
 import re
 import sys
 import threading
+import time
 from array import array
 
 from greenlet import getcurrent
@@ -493,6 +495,11 @@ class RouteTable:
 #: wait sites kept per route (the smallest give way), and shown
 MAX_WAIT_SITES = 50
 TOP_WAIT_SITES = 5
+#: routes(window="recent"): the last RECENT_S seconds, from snapshots of
+#: the aggregates taken every RECENT_STEP_S (the window is RECENT_S to
+#: RECENT_S + RECENT_STEP_S long; shorter while the process is younger)
+RECENT_S = 300
+RECENT_STEP_S = 60
 
 
 class RouteAggregates:
@@ -517,6 +524,11 @@ class RouteAggregates:
         #: blocking events and their seconds, all requests and none
         self.blocking = 0
         self.blocked = 0.0
+        # (monotonic time, {route: RouteStats}) every RECENT_STEP_S, the
+        # oldest first: the start of the recent window
+        self._snaps = collections.deque(
+            maxlen=RECENT_S // RECENT_STEP_S + 1)
+        self._snap_next = None
 
     def _name_environ(self, environ):
         # (called from C; never raises: a failing route= is counted)
@@ -618,15 +630,64 @@ class RouteAggregates:
             for site, sec in top]
         return rec
 
-    def to_records(self):
+    def to_records(self, window=None, now=None):
         """One plain dict per route (RouteTable.to_records' keys, plus
         ``status``: requests per status class, "1xx".."5xx", "other", and
         ``wait_sites``: the top sites where the sampled requests waited,
         ``site``, ``seconds`` summed, ``per_request`` per sampled
-        request), most requests first."""
-        records = [self._record(st) for st in self._merged().values()]
+        request), most requests first.  ``window``: None (or "start")
+        since the start; "recent": the last RECENT_S seconds or a little
+        more (see :meth:`recent`)."""
+        if window is None or window == "start":
+            stats = self._merged().values()
+        elif window == "recent":
+            stats = self.recent(now)[1]
+        else:
+            raise ValueError("window must be None, 'start' or 'recent', "
+                             "got %r" % (window,))
+        records = [self._record(st) for st in stats]
         records.sort(key=lambda r: (-r["requests"], r["route"]))
         return records
+
+    def tick(self, now=None):
+        """Takes a snapshot for the recent window when RECENT_STEP_S has
+        passed (the drain loop calls it once a second)."""
+        now = time.monotonic() if now is None else now
+        if self._snap_next is not None and now < self._snap_next:
+            return
+        self._snap_next = now + RECENT_STEP_S
+        merged = self._merged()
+        if self._snaps:
+            # (an idle route's stats are shared with the last snapshot)
+            last = self._snaps[-1][1]
+            for name, st in merged.items():
+                old = last.get(name)
+                if old is not None and (old.requests, old.sampled,
+                                        old.blocking) == (
+                        st.requests, st.sampled, st.blocking):
+                    merged[name] = old
+        self._snaps.append((now, merged))
+
+    def recent(self, now=None):
+        """(seconds covered, [RouteStats of the requests counted since
+        the oldest snapshot no older than RECENT_S + RECENT_STEP_S]);
+        since the start while there is none.  Wall quantiles and maxima
+        come from the histogram's buckets (within its 4.4 %, or the
+        maxima since start when lower); ``wait_sites`` stay since start."""
+        now = time.monotonic() if now is None else now
+        self.tick(now)
+        snaps = [sn for sn in list(self._snaps)
+                 if now - sn[0] <= RECENT_S + RECENT_STEP_S]
+        cur = self._merged()
+        if not snaps or snaps[0][0] >= now:
+            return None, list(cur.values())
+        t0, old = snaps[0]
+        out = []
+        for name, st in cur.items():
+            d = _stats_since(st, old.get(name))
+            if d.requests or d.sampled or d.blocking:
+                out.append(d)
+        return now - t0, out
 
     def records_and_histograms(self):
         """[(record with ``cpu_sum`` and ``cpu_n`` besides, the wall
@@ -637,6 +698,34 @@ class RouteAggregates:
             rec["cpu_sum"], rec["cpu_n"] = st.cpu_sum, st.cpu_n
             out.append((rec, st.wall.counts))
         return out
+
+
+def _stats_since(cur, old):
+    """The RouteStats of what ``cur`` counted since ``old`` (None: all)."""
+    if old is None:
+        return cur
+    d = RouteStats(cur.route)
+    d.status = [a - b for a, b in zip(cur.status, old.status)]
+    for k in ("requests", "errors", "sampled", "cpu_sum", "cpu_n",
+              "waiting_sum", "waiting_n", "blocking", "blocked"):
+        setattr(d, k, getattr(cur, k) - getattr(old, k))
+    w, cw, ow = d.wall, cur.wall, old.wall
+    lo = hi = None
+    for i, (a, b) in enumerate(zip(cw.counts, ow.counts)):
+        if a > b:
+            w.counts[i] = a - b
+            lo = i if lo is None else lo
+            hi = i
+    w.n = d.requests
+    w.total = max(cw.total - ow.total, 0.0)
+    if lo is not None:
+        # (the extremes of the window are not kept: the buckets' edges,
+        # within the extremes since start)
+        r = WallHistogram._RATIO
+        w.min = max(cw.min, WallHistogram.LOW * r ** (lo - 1) if lo else 0.0)
+        w.max = cw.max if hi > WallHistogram.BUCKETS else \
+            min(cw.max, WallHistogram.LOW * r ** hi)
+    return d
 
 
 #: routes named in each list of the summary line
