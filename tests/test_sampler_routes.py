@@ -279,3 +279,20 @@ def test_pprof_and_speedscope_of_a_route_without_samples(fresh_sampler,
         sampler.speedscope(0)
     with pytest.raises(TypeError, match="route"):
         sampler.pprof_bytes(10 ** 7, 3)
+
+
+def test_naming_for_the_sampler_changes_no_aggregate(serve, fresh_sampler):
+    # A sampled request whose app raises before returning a body counts
+    # for requests and errors, not for CPU (docs/fleet.md): telling the
+    # sampler its name early must not make it count.
+    def app(environ, start_response):
+        set_route("boom")
+        burn_cpu(20000)
+        raise RuntimeError("boom")
+    mw, port = serve(app, pct=1.0, linger=0)
+    for i in range(3):
+        assert get(port, "/x/%d" % i).status == 500
+    wait_for(lambda: not mw._open, 10, "the profiles delivered")
+    (rec,) = [r for r in mw.routes() if r["route"] == "boom"]
+    assert rec["requests"] == 3 and rec["errors"] == 3
+    assert rec["sampled"] == 0 and rec["cpu"] is None, rec

@@ -609,7 +609,7 @@ static int gqp_py_sampler_init(void)
     PyObject *reg = PyImport_ImportModule("greqprof._registry");
     if (!smp_path_str) {
         smp_path_str = PyUnicode_InternFromString("path");
-        smp_route_str = PyUnicode_InternFromString("route");
+        smp_route_str = PyUnicode_InternFromString("stack_route");
         smp_greenlet_str = PyUnicode_InternFromString("greenlet");
     }
     int strs = smp_path_str && smp_route_str && smp_greenlet_str;
