@@ -296,3 +296,25 @@ def test_naming_for_the_sampler_changes_no_aggregate(serve, fresh_sampler):
     (rec,) = [r for r in mw.routes() if r["route"] == "boom"]
     assert rec["requests"] == 3 and rec["errors"] == 3
     assert rec["sampled"] == 0 and rec["cpu"] is None, rec
+
+
+def test_what_a_sampled_request_left_running_takes_its_final_route(
+        serve, fresh_sampler):
+    # A route= callable names the request only at its end: the greenlet
+    # it left running (a lingering child) is sampled under that name.
+    import gevent
+
+    def child():
+        gevent.sleep(0.01)   # (after the response)
+        burn_cpu(150000)
+
+    def app(environ, start_response):
+        gevent.spawn(child)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+    mw, port = serve(app, pct=1.0, linger=5.0,
+                     route=lambda environ: "by-callable")
+    load([port], ["/linger/%d"] * 3)
+    wait_for(lambda: not mw._open, 20, "the lingering profiles")
+    burning = burning_routes()
+    assert set(burning) == {"by-callable"}, burning

@@ -37,7 +37,7 @@ static PyObject *smp_route_fn;    /* path -> route, Python */
 static PyObject *smp_names;       /* name the app gave -> cleaned (a cache) */
 static PyObject *smp_name_fn;     /* name -> cleaned, Python */
 static PyObject *smp_no_request, *smp_other, *smp_path_str, *smp_route_str,
-    *smp_greenlet_str;
+    *smp_final_str, *smp_greenlet_str;
 static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
     smp_truncated;
@@ -100,7 +100,13 @@ static PyObject *smp_route(gqp_py_thread *st, PyObject *by_addr,
             Py_INCREF(req);
             name = PyObject_GetAttr(req, smp_route_str);
             if (!name || !PyUnicode_Check(name)) {
+                /* (once its response ended: the route it was counted
+                 * under, for what its greenlets still run) */
+                Py_XSETREF(name, PyObject_GetAttr(req, smp_final_str));
+            }
+            if (!name || !PyUnicode_Check(name)) {
                 Py_CLEAR(name);
+                PyErr_Clear();
                 path = PyObject_GetAttr(req, smp_path_str);
             }
             Py_DECREF(req);
@@ -610,9 +616,11 @@ static int gqp_py_sampler_init(void)
     if (!smp_path_str) {
         smp_path_str = PyUnicode_InternFromString("path");
         smp_route_str = PyUnicode_InternFromString("stack_route");
+        smp_final_str = PyUnicode_InternFromString("route");
         smp_greenlet_str = PyUnicode_InternFromString("greenlet");
     }
-    int strs = smp_path_str && smp_route_str && smp_greenlet_str;
+    int strs = smp_path_str && smp_route_str && smp_final_str &&
+               smp_greenlet_str;
     for (PyMethodDef *d = smp_defs; reg && strs && d->ml_name; d++) {
         PyObject *fn = PyCFunction_New(d, NULL);
         if (!fn || PyObject_SetAttrString(reg, d->ml_name, fn) < 0) {
