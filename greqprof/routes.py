@@ -283,8 +283,11 @@ class DjangoRouteMiddleware:
             route = request.resolver_match.route
             if route:
                 environ = request.environ
-                environ[ROUTE_KEY] = "/" + route.lstrip("^")
-                _tell_sampler(framework_route(environ), hook=True)
+                route = environ[ROUTE_KEY] = "/" + route.lstrip("^")
+                # (the sampler cleans a name once; a mounted app's is
+                # prefixed here)
+                _tell_sampler(route if not environ.get("SCRIPT_NAME")
+                              else framework_route(environ), hook=True)
         except Exception:
             pass
         return None

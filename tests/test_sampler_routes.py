@@ -318,3 +318,24 @@ def test_what_a_sampled_request_left_running_takes_its_final_route(
     wait_for(lambda: not mw._open, 20, "the lingering profiles")
     burning = burning_routes()
     assert set(burning) == {"by-callable"}, burning
+
+
+def test_a_mounted_flask_apps_samples_carry_the_mount(fresh_sampler):
+    # Under SCRIPT_NAME the route mw.routes() shows starts with it: so
+    # does the samples' name.
+    mw = ProfilingMiddleware(flask_app(), pct=0.0, report=False,
+                             stack_hz=HZ)
+
+    def mounted(environ, start_response):
+        environ["SCRIPT_NAME"] = "/shop"
+        return mw(environ, start_response)
+    server = pywsgi.WSGIServer(("127.0.0.1", 0), mounted, log=None)
+    server.start()
+    try:
+        load([server.server_port], ["/items/%d"] * 5)
+    finally:
+        server.stop(timeout=2)
+        reset_greqprof([mw])
+    burning = burning_routes()
+    assert set(burning) == {"/shop/items/<int:item_id>"}, burning
+    assert set(burning) <= {r["route"] for r in mw.routes()}
