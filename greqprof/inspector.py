@@ -292,7 +292,8 @@ class Inspector:
             return self._routes_page(environ, start_response)
         if sub in ("/routes/pprof", "/routes/speedscope") and \
                 self.routes is not None:
-            return self._stacks(environ, start_response, sub[8:])
+            return self._stacks(environ, start_response,
+                                sub.rsplit("/", 1)[1])
         if sub == "/routes/flame" and self.routes is not None:
             return self._flame_page(environ, start_response)
         m = _ID.match(sub)
@@ -373,6 +374,7 @@ class Inspector:
         records = sorted(self.routes.to_records(
             "recent" if recent else None), key=keys[sort],
                          reverse=True)
+
         def stack_links(route):
             # (the route's flame graph and pprof from the stack samples)
             if not self.stack_hz:
