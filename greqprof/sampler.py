@@ -7,9 +7,10 @@ running there, its request (a child greenlet's is its spawner's), and its
 Python stack.  A sample counts under the route mw.routes() gives its
 request as soon as the app names it (set_route, the Flask and Django
 hooks), under its path's name before.  Samples of the hub (waiting for
-I/O, running callbacks) are left out.  Samples are counted per (route, stack) in this process-wide
-table, bounded: at most MAX_STACKS distinct stacks and MAX_KEYS
-(route, stack) pairs; the rest are counted under ``<other>``.
+I/O, running callbacks) are left out.  Samples are counted per (route,
+stack) in this process-wide table, bounded: at most MAX_STACKS distinct
+stacks and MAX_KEYS (route, stack) pairs; the rest are counted under
+``<other>``.
 ``write_pprof`` writes them as a gzipped pprof profile, ``speedscope`` and
 ``flame`` give them for a flame graph, all or one route's (docs/fleet.md)."""
 import array
