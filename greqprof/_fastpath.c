@@ -33,6 +33,7 @@
 typedef struct gqp_note {
     uint64_t gid;
     PyObject *method, *path, *rid;   /* str or NULL */
+    PyObject *route;   /* named by the app so far (_hooks/sampler.c) */
 } gqp_note;
 
 static void note_clear(gqp_note *n)
@@ -41,6 +42,7 @@ static void note_clear(gqp_note *n)
     Py_CLEAR(n->method);
     Py_CLEAR(n->path);
     Py_CLEAR(n->rid);
+    Py_CLEAR(n->route);
 }
 
 /* ---- clean text (greqprof/_text.py, docs: the clean-text contract) ----
@@ -309,6 +311,37 @@ static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
     }
     PyErr_Clear();
     Py_RETURN_NONE;
+}
+
+/* The stack sampler's view (_hooks/sampler.c): the route named so far
+ * (NULL: none yet) and the path of the first noted request along chain;
+ * new references or NULL (GIL held). */
+static void note_route_find(gqp_py_thread *st, PyObject *chain,
+                            PyObject **route, PyObject **path)
+{
+    *route = *path = NULL;
+    for (Py_ssize_t i = 0; st->notes && i < PyTuple_GET_SIZE(chain); i++) {
+        uint64_t gid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(chain, i));
+        gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+        if (n->gid == gid) {
+            *route = Py_XNewRef(n->route);
+            *path = Py_XNewRef(n->path);
+            break;
+        }
+    }
+    PyErr_Clear();
+}
+
+/* The app named the route of the request greenlet gid began (its own
+ * note only, not a spawner's): 1 when it has one. */
+static int note_name(gqp_py_thread *st, uint64_t gid, PyObject *name)
+{
+    gqp_note *n = st->notes ? &st->notes[gid & (GQP_NOTES - 1)] : NULL;
+    if (!gid || !n || n->gid != gid) {
+        return 0;
+    }
+    Py_XSETREF(n->route, Py_NewRef(name));
+    return 1;
 }
 
 static gqp_py_thread *hooks_arg(PyObject *addr)

@@ -235,7 +235,7 @@ typedef struct {
     PyObject *greenlet, *gid, *profile, *addr, *method, *path, *status,
         *start_ns, *end_ns, *request_id, *sampled_by, *error, *done,
         *blocking, *observed, *generation, *engine, *notes, *truncated,
-        *owner, *route;
+        *owner, *route, *stack_route;
     PyObject *weakrefs;
     char finalizing;   /* set when a _finalize takes the request on */
     char counted_trigger;   /* its slot is one of the trigger reserve */
@@ -293,6 +293,8 @@ static PyGetSetDef req_fields[] = {
     REQ_FIELD(truncated, "True when closed by max_lifetime."),
     REQ_FIELD(owner, "The middleware that profiles it."),
     REQ_FIELD(route, "Its route, once the response ended (_routes.c)."),
+    REQ_FIELD(stack_route, "The route the app named while it runs, for "
+              "the stack sampler (_hooks/sampler.c)."),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -325,6 +327,7 @@ static int req_traverse(gqp_req *self, visitproc visit, void *arg)
     Py_VISIT(self->truncated);
     Py_VISIT(self->owner);
     Py_VISIT(self->route);
+    Py_VISIT(self->stack_route);
     return 0;
 }
 
@@ -351,6 +354,7 @@ static int req_clear(gqp_req *self)
     Py_CLEAR(self->truncated);
     Py_CLEAR(self->owner);
     Py_CLEAR(self->route);
+    Py_CLEAR(self->stack_route);
     return 0;
 }
 

@@ -27,11 +27,13 @@ import itertools
 import re
 import secrets
 import threading
+import zlib
 from urllib.parse import parse_qs, quote, urlencode
 
 from . import _registry, config
 from ._text import clean
 from .errors import ConfigError
+from .routes import RECENT_S
 from .renderers import RENDERERS, RenderError, get_renderer
 from .renderers.html import HtmlRenderer, asset, content_security_policy
 
@@ -194,6 +196,9 @@ class Inspector:
         self._html = HtmlRenderer()
         #: the middleware's RouteAggregates (the Routes page), or None
         self.routes = None
+        #: the middleware's stack_hz: the Routes page links the stack
+        #: samples of each route (0: off)
+        self.stack_hz = 0
 
     def __repr__(self):
         return "<Inspector %s keep=%d>" % (self.path, self.keep)
@@ -285,6 +290,12 @@ class Inspector:
             return self._list(environ, start_response)
         if sub == "/routes" and self.routes is not None:
             return self._routes_page(environ, start_response)
+        if sub in ("/routes/pprof", "/routes/speedscope") and \
+                self.routes is not None:
+            return self._stacks(environ, start_response,
+                                sub.rsplit("/", 1)[1])
+        if sub == "/routes/flame" and self.routes is not None:
+            return self._flame_page(environ, start_response)
         m = _ID.match(sub)
         if m:
             profile = self.get(int(m.group(1)))
@@ -347,8 +358,11 @@ class Inspector:
         waiting, blocking: seconds blocked, requests)."""
         def esc(text, quote=True):
             return html.escape(clean(text), quote)
-        sort = parse_qs(environ.get("QUERY_STRING", "")).get(
-            "sort", ["cpu"])[0]
+        qs = parse_qs(environ.get("QUERY_STRING", ""))
+        sort = qs.get("sort", ["cpu"])[0]
+        # ?window=recent: about the last 5 minutes (routes.RECENT_S)
+        recent = qs.get("window", [None])[0] == "recent"
+        win = {"window": "recent"} if recent else {}
         keys = {
             "cpu": lambda r: r["cpu_total"] or 0.0,
             "p99": lambda r: r["wall_p99"] or 0.0,
@@ -357,33 +371,53 @@ class Inspector:
             "requests": lambda r: r["requests"]}
         if sort not in keys:
             sort = "cpu"
-        records = sorted(self.routes.to_records(), key=keys[sort],
+        records = sorted(self.routes.to_records(
+            "recent" if recent else None), key=keys[sort],
                          reverse=True)
+
+        def stack_links(route):
+            # (the route's flame graph and pprof from the stack samples)
+            if not self.stack_hz:
+                return ""
+            kw = {} if route is None else {"route": route}
+            return ('<a href="%s">flame graph</a> <a href="%s">speedscope'
+                    '</a> <a href="%s">pprof</a>' % (
+                        esc(self._query_url(environ, "/routes/flame", **kw)),
+                        esc(self._query_url(environ, "/routes/speedscope",
+                                            **kw)),
+                        esc(self._query_url(environ, "/routes/pprof",
+                                            **kw))))
         rows = []
         for r in records:
             waiting_total = (r["waiting"] * r["requests"]
                              if r["waiting"] is not None else None)
             rows.append(
                 '<tr class="gq-route-row"><td class="gq-path">'
-                '<a href="%s">%s</a></td>%s</tr>' % (
+                '<a href="%s">%s</a></td>%s%s</tr>' % (
                     esc(self._query_url(environ, "/", route=r["route"])),
-                    esc(r["route"]), "".join(
+                    esc(r["route"]), '<td class="gq-stacks">%s</td>'
+                    % stack_links(r["route"]) if self.stack_hz else "",
+                    "".join(
                         '<td class="gq-num">%s</td>' % v for v in (
                             r["requests"], r["errors"], r["sampled"],
                             _ms(r["wall_p50"]), _ms(r["wall_p99"]),
                             _ms(r["cpu"]), _ms(r["cpu_total"]),
                             _ms(r["waiting"]), _ms(waiting_total),
                             r["blocking"], _ms(r["blocked"])))))
-        heads = [("route", None), ("requests", "requests"),
+        heads = [("route", None)] + (
+            [("stack samples", None)] if self.stack_hz else []) + [
+                 ("requests", "requests"),
                  ("errors", None), ("sampled", None), ("p50", None),
                  ("p99", "p99"), ("CPU/req", None), ("total CPU", "cpu"),
                  ("waiting/req", None), ("total waiting", "waiting"),
                  ("blocking", "blocking"), ("blocked", None)]
         head = "".join(
             '<th%s>%s</th>' % (
-                ' class="gq-num"' if i else "",
+                "" if name in ("route", "stack samples")
+                else ' class="gq-num"',
                 '<a href="%s">%s%s</a>' % (
-                    esc(self._query_url(environ, "/routes", sort=key)),
+                    esc(self._query_url(environ, "/routes", sort=key,
+                                        **win)),
                     name, " \u25bc" if key == sort else "")
                 if key else name)
             for i, (name, key) in enumerate(heads))
@@ -400,12 +434,112 @@ class Inspector:
             'initial-scale=1"><title>greqprof routes</title>'
             '<style>%s</style></head><body>'
             '<header class="gq-top"><span class="gq-brand">greqprof</span>'
-            '<span>every request of this process since it started, by '
+            '<span>every request of this process %s, by '
             'route; CPU and waiting are estimated from the sampled '
             'requests</span></header><main><h1>Routes (%d)</h1>'
             '<div class="gq-list-actions"><a href="%s">\u2190 profiles</a>'
-            '</div>%s</main></body></html>' % (
-                css, len(rows), esc(self._url(environ, "/")), table))
+            ' <a href="%s">%s</a>%s</div>%s</main></body></html>' % (
+                css, "in about the last %d minutes" % (RECENT_S // 60)
+                if recent else "since it started", len(rows),
+                esc(self._url(environ, "/")),
+                esc(self._query_url(environ, "/routes", sort=sort,
+                                    **({} if recent else
+                                       {"window": "recent"}))),
+                "since start" if recent else
+                "last %d minutes" % (RECENT_S // 60),
+                (' <span class="gq-note">stack samples of every route:'
+                 '</span> '
+                 + stack_links(None) if self.stack_hz else ""), table))
+        return self._html_response(start_response, page, csp)
+
+    def _stacks(self, environ, start_response, fmt):
+        """The stack samples (stack_hz) of ?route= (every route without
+        it) as a gzipped pprof profile or a speedscope document."""
+        if not self.stack_hz:
+            return self._plain(start_response, "404 Not Found",
+                               "stack sampling is off (stack_hz)\n")
+        from . import sampler
+        route = parse_qs(environ.get("QUERY_STRING", "")).get(
+            "route", [None])[0]
+        period = sampler.period_ns() or int(1e9 / self.stack_hz)
+        if fmt == "pprof":
+            data = sampler.pprof_bytes(period, route)[0]
+            ctype, name = "application/octet-stream", "greqprof-stacks.pb.gz"
+        else:
+            import json
+            data = json.dumps(sampler.speedscope(period, route),
+                              separators=(",", ":")).encode("utf-8")
+            ctype = "application/json"
+            name = "greqprof-stacks.speedscope.json"
+        start_response("200 OK", self._headers(ctype, [
+            ("Content-Length", str(len(data))),
+            ("Content-Disposition", 'attachment; filename="%s"' % name)]))
+        return [data]
+
+    def _flame_page(self, environ, start_response):
+        """A flame graph (an SVG drawn here, no script) of the stack
+        samples of ?route= (every route without it), with links to the
+        same samples as pprof and speedscope."""
+        if not self.stack_hz:
+            return self._plain(start_response, "404 Not Found",
+                               "stack sampling is off (stack_hz)\n")
+        from . import sampler
+
+        def esc(text, quote=True):
+            return html.escape(clean(text), quote)
+        route = parse_qs(environ.get("QUERY_STRING", "")).get(
+            "route", [None])[0]
+        root = sampler.flame(route)
+        width, row = 1200.0, 18
+        rects, depth = [], [0]
+        total = root[2] or 1
+
+        def draw(node, x, level):
+            w = node[2] / total * width
+            depth[0] = max(depth[0], level + 1)
+            hue = zlib.crc32(node[0].encode("utf-8", "replace")) % 55
+            label = node[0] if w >= 40 else ""
+            if len(label) * 7 > w - 6:
+                label = label[:max(int((w - 6) / 7) - 2, 0)] + ".."
+            rects.append(
+                '<g><title>%s%s: %d samples (%.1f %%)</title>'
+                '<rect x="%.2f" y="%d" width="%.2f" height="%d" '
+                'fill="hsl(%d,85%%,62%%)" stroke="#fff" stroke-width="0.5"/>'
+                '<text x="%.2f" y="%d" font-size="12">%s</text></g>' % (
+                    esc(node[0]), esc(" (%s)" % node[1]) if node[1] else "",
+                    node[2], 100.0 * node[2] / total, x, level * row,
+                    max(w, 0.1), row, hue, x + 3, level * row + 13,
+                    esc(label)))
+            for c in sorted(node[3].values(), key=lambda c: c[0]):
+                draw(c, x, level + 1)
+                x += c[2] / total * width
+        draw(root, 0.0, 0)
+        kw = {} if route is None else {"route": route}
+        svg = ('<svg class="gq-flame" xmlns="http://www.w3.org/2000/svg" '
+               'viewBox="0 0 %d %d" width="100%%" font-family="monospace">'
+               '%s</svg>' % (width, depth[0] * row, "".join(rects))
+               if root[2] else '<p class="gq-note gq-empty">No stack '
+               'samples of this route yet.</p>')
+        css = asset("timeline.css")
+        csp = content_security_policy(styles=[css])
+        page = (
+            '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            '<meta name="referrer" content="no-referrer">'
+            '<meta name="viewport" content="width=device-width, '
+            'initial-scale=1"><title>greqprof flame graph</title>'
+            '<style>%s</style></head><body>'
+            '<header class="gq-top"><span class="gq-brand">greqprof</span>'
+            '<span>stack samples (stack_hz) of this process since it '
+            'started: where the route\'s requests ran Python, by '
+            'function; hover a frame for its share</span></header><main>'
+            '<h1>Flame graph: %s (%d samples)</h1>'
+            '<div class="gq-list-actions"><a href="%s">\u2190 routes</a> '
+            '<a href="%s">speedscope</a> <a href="%s">pprof</a></div>'
+            '%s</main></body></html>' % (
+                css, esc(route if route is not None else "every route"),
+                root[2], esc(self._url(environ, "/routes")),
+                esc(self._query_url(environ, "/routes/speedscope", **kw)),
+                esc(self._query_url(environ, "/routes/pprof", **kw)), svg))
         return self._html_response(start_response, page, csp)
 
     def _list(self, environ, start_response):

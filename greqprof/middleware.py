@@ -225,6 +225,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._routes_setup(self._routes.counts)
             if self.inspector is not None:
                 self.inspector.routes = self._routes
+                self.inspector.stack_hz = self._stack_hz
             self.metrics = None
             self.metrics_path = metrics_path
             if metrics_path is not None:
@@ -290,18 +291,19 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         SIGTERM and SIGINT."""
         return loops.flush_thread(timeout)
 
-    def write_pprof(self, path):
+    def write_pprof(self, path, route=None):
         """Writes the stack samples so far (``stack_hz``) to ``path`` as a
         gzipped pprof ``profile.proto``: sample types samples/count and
         cpu/nanoseconds (samples x the sampling period), a ``route`` label
-        on each sample (docs/fleet.md).  The samples are the process's:
-        every thread a middleware with ``stack_hz`` serves.  Returns the
-        number of samples written."""
+        on each sample (docs/fleet.md); only ``route``'s samples when
+        given (a name as :meth:`routes` shows it).  The samples are the
+        process's: every thread a middleware with ``stack_hz`` serves.
+        Returns the number of samples written."""
         if not self._stack_hz:
             raise ConfigError("write_pprof: stack_hz is off for this "
                               "middleware (stack_hz=%r)" % (self._stack_hz,))
         return sampler.write_pprof(path, sampler.period_ns()
-                                   or int(1e9 / self._stack_hz))
+                                   or int(1e9 / self._stack_hz), route)
 
     def __repr__(self):
         # Never show the trigger secret.
@@ -550,7 +552,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         spans: blocking.drain."""
         blocking.drain(self, eng)
 
-    def routes(self):
+    def routes(self, window=None):
         """Per-route aggregates of every request since the middleware
         started, most requests first: plain dicts with ``route``,
         ``requests``, ``errors`` (5xx or an exception), ``status`` (per
@@ -558,12 +560,18 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         ``wall_p95``, ``wall_p99`` (seconds; quantiles within 4.4 %),
         ``cpu``, ``waiting`` (seconds per request, estimated from the
         sampled requests; None until one was), ``cpu_total``,
-        ``blocking``, ``blocked`` (docs/fleet.md)."""
-        return self._routes.to_records()
+        ``blocking``, ``blocked`` (docs/fleet.md).  ``window="recent"``:
+        only the requests of about the last 5 minutes (5 to 6; docs/
+        fleet.md says how)."""
+        return self._routes.to_records(window)
 
     def _routes_tick(self, now=None):
         """(the drain loop calls it once a second) Logs the routes summary
         when summary_s has passed and requests ran since the last one."""
+        try:
+            self._routes.tick(now)   # (the recent window's snapshots)
+        except Exception as e:
+            self._internal_error("routes", e)
         if self.metrics is not None:
             try:
                 self.metrics.sync()

@@ -21,10 +21,13 @@ middleware counts every request in C (greqprof/_routes.c: requests,
 errors, status classes, the wall histogram below) and calls the namer
 here only for what C does not name itself; :class:`RouteAggregates` joins
 those counts with what sampled requests and blocking events add."""
+import collections
 import math
 import re
 import sys
 import threading
+import time
+import zlib
 from array import array
 
 from greenlet import getcurrent
@@ -67,6 +70,28 @@ def _name(text):
     return text
 
 
+def route_name(name):
+    """``name`` as mw.routes() shows it (clean, cut); ``OTHER`` for
+    an empty one."""
+    return _name(name) or OTHER
+
+
+#: set by greqprof.sampler: sampler_name(name) tells the stack sampler the
+#: route of the request the calling greenlet serves (C; True if found)
+_sampler_name = None
+
+
+def _tell_sampler(name, hook=False):
+    fn = _sampler_name
+    if hook and _named and getcurrent() in _named:
+        return   # (set_route's name wins over a template)
+    if fn is not None:
+        try:
+            fn(name)
+        except Exception:
+            pass
+
+
 # ---------------------------------------------------------------------------
 # set_route: a name per greenlet, taken by the request it serves
 
@@ -93,7 +118,8 @@ def set_route(name):
         raise ValueError("set_route: the route name must not be empty")
     if len(_named) >= _MAX_NAMED:
         _named.clear()   # (names no request took: bounded memory)
-    _named[getcurrent()] = _name(name)
+    name = _named[getcurrent()] = _name(name)
+    _tell_sampler(name)
     return True
 
 
@@ -207,7 +233,10 @@ def _flask_request_started(sender, **extra):
         from flask import request
         rule = request.url_rule
         if rule is not None:
-            request.environ[ROUTE_KEY] = rule.rule
+            environ = request.environ
+            environ[ROUTE_KEY] = rule.rule
+            _tell_sampler(rule.rule if not environ.get("SCRIPT_NAME")
+                          else framework_route(environ), hook=True)
     except Exception:
         pass   # (a route name is never worth breaking the request)
 
@@ -253,7 +282,12 @@ class DjangoRouteMiddleware:
         try:
             route = request.resolver_match.route
             if route:
-                request.environ[ROUTE_KEY] = "/" + route.lstrip("^")
+                environ = request.environ
+                route = environ[ROUTE_KEY] = "/" + route.lstrip("^")
+                # (the sampler cleans a name once; a mounted app's is
+                # prefixed here)
+                _tell_sampler(route if not environ.get("SCRIPT_NAME")
+                              else framework_route(environ), hook=True)
         except Exception:
             pass
         return None
@@ -465,6 +499,11 @@ class RouteTable:
 #: wait sites kept per route (the smallest give way), and shown
 MAX_WAIT_SITES = 50
 TOP_WAIT_SITES = 5
+#: routes(window="recent"): the last RECENT_S seconds, from snapshots of
+#: the aggregates taken every RECENT_STEP_S (the window is RECENT_S to
+#: RECENT_S + RECENT_STEP_S long; shorter while the process is younger)
+RECENT_S = 300
+RECENT_STEP_S = 60
 
 
 class RouteAggregates:
@@ -489,6 +528,11 @@ class RouteAggregates:
         #: blocking events and their seconds, all requests and none
         self.blocking = 0
         self.blocked = 0.0
+        # (monotonic time, {route: RouteStats}) every RECENT_STEP_S, the
+        # oldest first: the start of the recent window
+        self._snaps = collections.deque(
+            maxlen=RECENT_S // RECENT_STEP_S + 1)
+        self._snap_next = None
 
     def _name_environ(self, environ):
         # (called from C; never raises: a failing route= is counted)
@@ -590,15 +634,82 @@ class RouteAggregates:
             for site, sec in top]
         return rec
 
-    def to_records(self):
+    def to_records(self, window=None, now=None):
         """One plain dict per route (RouteTable.to_records' keys, plus
         ``status``: requests per status class, "1xx".."5xx", "other", and
         ``wait_sites``: the top sites where the sampled requests waited,
         ``site``, ``seconds`` summed, ``per_request`` per sampled
-        request), most requests first."""
-        records = [self._record(st) for st in self._merged().values()]
+        request), most requests first.  ``window``: None (or "start")
+        since the start; "recent": the last RECENT_S seconds or a little
+        more (see :meth:`recent`)."""
+        if window is None or window == "start":
+            stats = self._merged().values()
+        elif window == "recent":
+            stats = self.recent(now)[1]
+        else:
+            raise ValueError("window must be None, 'start' or 'recent', "
+                             "got %r" % (window,))
+        records = [self._record(st) for st in stats]
         records.sort(key=lambda r: (-r["requests"], r["route"]))
         return records
+
+    def tick(self, now=None):
+        """Takes a snapshot for the recent window when RECENT_STEP_S has
+        passed (the drain loop calls it once a second)."""
+        now = time.monotonic() if now is None else now
+        if self._snap_next is not None and now < self._snap_next:
+            return
+        self._snap_next = now + RECENT_STEP_S
+        acc = {}
+        for route, req, err, classes, hist, total, lo, hi in \
+                self.counts.snapshot():
+            name = _name(route) or OTHER
+            a = acc.get(name)
+            if a is None:
+                acc[name] = [req, err, classes, hist, total]
+            else:   # (two names that clean to one: rare)
+                h = array("Q", a[3])
+                for i, c in enumerate(array("Q", hist)):
+                    h[i] += c
+                acc[name] = [a[0] + req, a[1] + err, tuple(
+                    x + y for x, y in zip(a[2], classes)), h.tobytes(),
+                    a[4] + total]
+        with self._lock:
+            extra = {k: tuple(getattr(st, f) for f in _Snap.EXTRA)
+                     for k, st in self._extra.items()}
+        last = self._snaps[-1][1] if self._snaps else {}
+        snap = {}
+        for name in set(acc) | set(extra):
+            req, err, classes, hist, total = acc.get(
+                name, (0, 0, (0,) * 6, None, 0.0))
+            ex = extra.get(name, _Snap.NO_EXTRA)
+            old = last.get(name)
+            if old is not None and old.requests == req and old.extra == ex:
+                snap[name] = old   # (idle: shared with the last one)
+            else:
+                snap[name] = _Snap(req, err, classes, hist, total, ex)
+        self._snaps.append((now, snap))
+
+    def recent(self, now=None):
+        """(seconds covered, [RouteStats of the requests counted since
+        the oldest snapshot no older than RECENT_S + RECENT_STEP_S]);
+        since the start while there is none.  Wall quantiles and maxima
+        come from the histogram's buckets (within its 4.4 %, or the
+        maxima since start when lower); ``wait_sites`` stay since start."""
+        now = time.monotonic() if now is None else now
+        self.tick(now)
+        snaps = [sn for sn in list(self._snaps)
+                 if now - sn[0] <= RECENT_S + RECENT_STEP_S]
+        cur = self._merged()
+        if not snaps or snaps[0][0] >= now:
+            return None, list(cur.values())
+        t0, old = snaps[0]
+        out = []
+        for name, st in cur.items():
+            d = _stats_since(st, old.get(name))
+            if d.requests or d.sampled or d.blocking:
+                out.append(d)
+        return now - t0, out
 
     def records_and_histograms(self):
         """[(record with ``cpu_sum`` and ``cpu_n`` besides, the wall
@@ -609,6 +720,55 @@ class RouteAggregates:
             rec["cpu_sum"], rec["cpu_n"] = st.cpu_sum, st.cpu_n
             out.append((rec, st.wall.counts))
         return out
+
+
+class _Snap:
+    """A route's aggregates at a snapshot (the recent window's start):
+    counts, the wall histogram zlib-compressed (mostly zeros: about a
+    tenth of its 2.2 KB), and the sampled part (EXTRA)."""
+    EXTRA = ("sampled", "cpu_sum", "cpu_n", "waiting_sum", "waiting_n",
+             "blocking", "blocked")
+    NO_EXTRA = (0, 0.0, 0, 0.0, 0, 0, 0.0)
+    __slots__ = ("requests", "errors", "status", "hist", "total", "extra")
+
+    def __init__(self, requests, errors, status, hist, total, extra):
+        self.requests, self.errors, self.status = requests, errors, status
+        self.hist = zlib.compress(hist, 1) if hist else None
+        self.total, self.extra = total, extra
+
+    def counts(self):
+        return array("Q", zlib.decompress(self.hist)) if self.hist else \
+            array("Q", bytes(8 * (WallHistogram.BUCKETS + 2)))
+
+
+def _stats_since(cur, old):
+    """The RouteStats of what ``cur`` counted since ``old`` (a _Snap;
+    None: all)."""
+    if old is None:
+        return cur
+    d = RouteStats(cur.route)
+    d.status = [a - b for a, b in zip(cur.status, old.status)]
+    d.requests = cur.requests - old.requests
+    d.errors = cur.errors - old.errors
+    for k, v in zip(_Snap.EXTRA, old.extra):
+        setattr(d, k, getattr(cur, k) - v)
+    w, cw = d.wall, cur.wall
+    lo = hi = None
+    for i, (a, b) in enumerate(zip(cw.counts, old.counts())):
+        if a > b:
+            w.counts[i] = a - b
+            lo = i if lo is None else lo
+            hi = i
+    w.n = d.requests
+    w.total = max(cw.total - old.total, 0.0)
+    if lo is not None:
+        # (the extremes of the window are not kept: the buckets' edges,
+        # within the extremes since start)
+        r = WallHistogram._RATIO
+        w.min = max(cw.min, WallHistogram.LOW * r ** (lo - 1) if lo else 0.0)
+        w.max = cw.max if hi > WallHistogram.BUCKETS else \
+            min(cw.max, WallHistogram.LOW * r ** hi)
+    return d
 
 
 #: routes named in each list of the summary line

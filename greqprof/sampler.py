@@ -4,11 +4,15 @@ A real OS thread (never a greenlet, even under monkey-patching) wakes
 ``stack_hz`` times a second and, in C (``_hooks/sampler.c``), looks at each
 serving thread a ProfilingMiddleware with ``stack_hz`` runs in: the greenlet
 running there, its request (a child greenlet's is its spawner's), and its
-Python stack.  Samples of the hub (waiting for I/O, running callbacks) are
-left out.  Samples are counted per (route, stack) in this process-wide
-table, bounded: at most MAX_STACKS distinct stacks and MAX_KEYS
-(route, stack) pairs; the rest are counted under ``<other>``.
-``write_pprof`` writes them as a gzipped pprof profile (docs/fleet.md)."""
+Python stack.  A sample counts under the route mw.routes() gives its
+request as soon as the app names it (set_route, the Flask and Django
+hooks), under its path's name before.  Samples of the hub (waiting for
+I/O, running callbacks) are left out.  Samples are counted per (route,
+stack) in this process-wide table, bounded: at most MAX_STACKS distinct
+stacks and MAX_KEYS (route, stack) pairs; the rest are counted under
+``<other>``.
+``write_pprof`` writes them as a gzipped pprof profile, ``speedscope`` and
+``flame`` give them for a flame graph, all or one route's (docs/fleet.md)."""
 import array
 import os
 import threading
@@ -18,6 +22,7 @@ import weakref
 from . import _lowlevel, _registry
 from ._core import lib
 from .pprof import ProfileBuilder
+from ._text import clean
 from . import routes as _routes
 
 #: distinct stacks kept; samples of further stacks count as <other>
@@ -43,9 +48,15 @@ watched = weakref.WeakSet()
 
 
 def route_of(path):
-    """The route a sample of a request for ``path`` counts under (the one
-    place that names it: the route table's name may replace it)."""
+    """The route a sample of a request for ``path`` counts under until the
+    app names its route (set_route, the Flask and Django hooks: then
+    that name, as mw.routes() has it)."""
     return _routes.path_route(path)
+
+
+# set_route and the framework hooks tell the sampler (in C) the route of
+# the request the calling greenlet serves.
+_routes._sampler_name = _registry.sampler_name
 
 
 class _Table:
@@ -60,11 +71,13 @@ class _Table:
         self.frames = []          # frame id -> (code, line)
         self.frame_ids = {}       # (code address, line) -> frame id
         self.routes = {}          # path -> route (cache)
+        self.names = {}           # name the app gave -> cleaned (cache)
         self.start_ns = time.time_ns()
         _registry.sampler_setup(self.counts, self.ids, self.stacks,
                                 self.frames, self.frame_ids, self.routes,
-                                route_of, NO_REQUEST, OTHER, MAX_STACKS,
-                                MAX_FRAMES, MAX_KEYS)
+                                route_of, self.names, _routes.route_name,
+                                NO_REQUEST, OTHER, MAX_STACKS, MAX_FRAMES,
+                                MAX_KEYS)
 
 
 _table = _Table()
@@ -137,19 +150,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def samples():
+def samples(route=None):
     """[(route, ((function, file, line), ...) leaf first, count)] of the
-    samples so far (a stack of ``()`` is one that was not kept)."""
+    samples so far (a stack of ``()`` is one that was not kept); only
+    those of ``route`` when given."""
+    if route is not None and not isinstance(route, str):
+        raise TypeError("route must be a str or None, got %s"
+                        % type(route).__name__)
     t = _table
     counts = dict(t.counts)
     stacks = t.stacks[:]
     frames = t.frames[:]
     named = {}
     out = []
-    for (route, sid), n in counts.items():
+    for (r, sid), n in counts.items():
+        if route is not None and r != route:
+            continue
         ids = array.array("I", stacks[sid] if 0 <= sid < len(stacks)
                           else b"")
-        out.append((route, tuple(_frame(frames, i, named) for i in ids), n))
+        out.append((r, tuple(_frame(frames, i, named) for i in ids), n))
     return out
 
 
@@ -165,18 +184,28 @@ def _frame(frames, fid, named):
     return f
 
 
-def write_pprof(path, period_ns):
-    """Writes the samples so far to ``path`` as a gzipped pprof profile:
-    sample types samples/count and cpu/nanoseconds (count x period_ns),
-    a ``route`` label on each sample.  Returns the number of samples."""
+def _period(period_ns):
+    if isinstance(period_ns, bool) or not isinstance(period_ns, int) or \
+            period_ns <= 0:
+        raise ValueError("period_ns must be an int > 0, got %r"
+                         % (period_ns,))
+    return period_ns
+
+
+def pprof_bytes(period_ns, route=None):
+    """(gzipped pprof profile of the samples so far, or of ``route``'s
+    only; the number of samples in it): sample types samples/count and
+    cpu/nanoseconds (count x period_ns), a ``route`` label on each."""
+    period_ns = _period(period_ns)
     b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")],
                        default_type="cpu", period_type=("cpu", "nanoseconds"),
                        period=period_ns, time_nanos=_table.start_ns,
                        duration_nanos=max(0, time.time_ns() - _table.start_ns),
-                       comments=["greqprof stack samples"])
+                       comments=["greqprof stack samples" + (
+                           "" if route is None else " of one route")])
     total = 0
     other_fn = None
-    for route, frames, n in samples():
+    for r, frames, n in samples(route):
         if frames:
             locs = [b.location(b.function(name, file), line)
                     for name, file, line in frames]
@@ -184,11 +213,94 @@ def write_pprof(path, period_ns):
             if other_fn is None:
                 other_fn = b.function(OTHER)
             locs = [b.location(other_fn)]
-        b.sample(locs, [n, n * period_ns], labels={"route": route})
+        b.sample(locs, [n, n * period_ns], labels={"route": r})
         total += n
-    data = b.to_bytes()
+    return b.to_bytes(), total
+
+
+def write_pprof(path, period_ns, route=None):
+    """Writes :func:`pprof_bytes` to ``path`` (atomically: a temporary
+    file renamed).  Returns the number of samples written."""
+    data, total = pprof_bytes(period_ns, route)
     tmp = "%s.tmp%d" % (os.fspath(path), os.getpid())
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
     return total
+
+
+#: speedscope's file format
+SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
+
+
+def speedscope(period_ns, route=None):
+    """The samples so far (or ``route``'s only) as a speedscope document
+    (a dict; https://www.speedscope.app opens it as a flame graph): one
+    ``sampled`` profile whose stacks are root first, weighed in
+    nanoseconds (count x period_ns).  Without ``route``, each stack's
+    root is a frame naming its route."""
+    period_ns = _period(period_ns)
+    frames, index = [], {}
+
+    def frame(key, name, file=None, line=None):
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(frames)
+            fr = {"name": name}
+            if file:
+                fr["file"] = file
+            if line:
+                fr["line"] = line
+            frames.append(fr)
+        return i
+    stacks, weights = [], []
+    for r, stack, n in sorted(samples(route), key=lambda x: (x[0], -x[2])):
+        ids = [frame(f, clean(f[0]), clean(f[1]), f[2])
+               for f in reversed(stack)] or \
+            [frame(OTHER, OTHER)]
+        if route is None:
+            ids.insert(0, frame(("route", r), "route " + r))
+        stacks.append(ids)
+        weights.append(n * period_ns)
+    total = sum(weights)
+    name = "greqprof stack samples" + ("" if route is None else
+                                       " of route " + route)
+    return {
+        "$schema": SPEEDSCOPE_SCHEMA,
+        "shared": {"frames": frames},
+        "profiles": [{"type": "sampled", "name": name,
+                      "unit": "nanoseconds", "startValue": 0,
+                      "endValue": total, "samples": stacks,
+                      "weights": weights}],
+        "name": name, "activeProfileIndex": 0, "exporter": "greqprof"}
+
+
+def flame(route=None, min_share=0.002):
+    """The samples so far (``route``'s, or every route's under one frame
+    per route) merged by function into a tree for a flame graph: nodes
+    ``[name, file, samples, {key: child}]`` from the root (named "all"),
+    children merged by (function, file).  Branches with less than
+    ``min_share`` of the samples are left out (their samples stay in
+    their parent's count), which bounds the tree to about 1/min_share
+    nodes per level."""
+    root = ["all", "", 0, {}]
+    for r, stack, n in samples(route):
+        root[2] += n
+        node = root
+        path = [(f[0], f[1]) for f in reversed(stack)] or [(OTHER, "")]
+        if route is None:
+            path.insert(0, ("route " + r, ""))
+        for name, file in path:
+            child = node[3].get((name, file))
+            if child is None:
+                child = node[3][(name, file)] = [name, file, 0, {}]
+            child[2] += n
+            node = child
+    low = root[2] * min_share
+
+    def prune(node):
+        node[3] = {k: c for k, c in node[3].items() if c[2] >= low}
+        for c in node[3].values():
+            prune(c)
+    prune(root)   # (recursion: at most 66 levels deep)
+    return root

@@ -130,6 +130,9 @@ static int gqp_py_fast_init(PyObject *reg);
 static void note_forget(gqp_py_thread *st, uint64_t gid);
 static PyObject *spawner_chain(gqp_py_thread *st, PyObject *g, uint64_t gid);
 static PyObject *note_find(gqp_py_thread *st, PyObject *chain);
+static void note_route_find(gqp_py_thread *st, PyObject *chain,
+                            PyObject **route, PyObject **path);
+static int note_name(gqp_py_thread *st, uint64_t gid, PyObject *name);
 static void notes_free(gqp_py_thread *st);
 static uint64_t thread_generation;            /* gqp_py_thread_start's */
 

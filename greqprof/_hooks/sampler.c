@@ -4,7 +4,10 @@
  * there (the tracer's current one), its request's route, and its Python
  * stack, counted per (route, stack) in the dicts greqprof/sampler.py made.
  * Nothing runs in the serving thread per sample; the sampler's tick is C
- * except the route naming of a path not seen before (a bounded cache).
+ * except the naming of a path or route name not seen before (bounded
+ * caches).  The app's route name (set_route, the Flask and Django hooks)
+ * reaches the sampler through sampler_name, which leaves it on the
+ * request's note (or its Request, when sampled) as soon as it is known.
  * A part of _hooks.c (one translation unit, see there). */
 #include "hooks.h"
 #include <errno.h>
@@ -31,7 +34,10 @@ static PyObject *smp_frames;      /* list: frame id -> (code, line) */
 static PyObject *smp_frame_ids;   /* (code address, line) -> frame id */
 static PyObject *smp_routes;      /* path -> route (a cache) */
 static PyObject *smp_route_fn;    /* path -> route, Python */
-static PyObject *smp_no_request, *smp_other, *smp_path_str;
+static PyObject *smp_names;       /* name the app gave -> cleaned (a cache) */
+static PyObject *smp_name_fn;     /* name -> cleaned, Python */
+static PyObject *smp_no_request, *smp_other, *smp_path_str, *smp_route_str,
+    *smp_final_str, *smp_greenlet_str;
 static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
     smp_truncated;
@@ -56,55 +62,119 @@ static PyThreadState *smp_tstate(uint64_t id)
     return NULL;
 }
 
-/* The route of the running greenlet g (key/gid/p from the tracer): its
- * sampled request's, else the noted request of it or its spawners; a new
- * reference. */
+/* value's entry in cache, made by fn(value) once (a bounded cache; a new
+ * reference); smp_other when fn fails. */
+static PyObject *smp_cached(PyObject *cache, PyObject *fn, PyObject *value)
+{
+    PyObject *v = PyDict_GetItemWithError(cache, value);
+    if (v) {
+        return Py_NewRef(v);
+    }
+    v = PyObject_CallOneArg(fn, value);
+    if (!v || !PyUnicode_Check(v)) {
+        Py_XDECREF(v);
+        PyErr_Clear();
+        return Py_NewRef(smp_other);
+    }
+    if (PyDict_GET_SIZE(cache) >= GQP_SMP_ROUTE_CACHE) {
+        PyDict_Clear(cache);
+    }
+    PyDict_SetItem(cache, value, v);
+    PyErr_Clear();
+    return v;
+}
+
+/* The route of the running greenlet g (key/gid/p from the tracer): the
+ * one the app named for its request (set_route, a framework hook: see
+ * smp_name_py) as soon as it did, else its path's; its sampled request's,
+ * else the noted request of it or its spawners.  A new reference. */
 static PyObject *smp_route(gqp_py_thread *st, PyObject *by_addr,
                            PyObject *g, uint64_t gid, gqp_profile *p)
 {
-    PyObject *path = NULL;
+    PyObject *name = NULL, *path = NULL;
     if (p && by_addr) {
         PyObject *k = PyLong_FromVoidPtr(p);
         PyObject *req = k ? PyDict_GetItemWithError(by_addr, k) : NULL;
         Py_XDECREF(k);
         if (req) {
-            path = PyObject_GetAttr(req, smp_path_str);
+            Py_INCREF(req);
+            name = PyObject_GetAttr(req, smp_route_str);
+            if (!name || !PyUnicode_Check(name)) {
+                /* (once its response ended: the route it was counted
+                 * under, for what its greenlets still run) */
+                Py_XSETREF(name, PyObject_GetAttr(req, smp_final_str));
+            }
+            if (!name || !PyUnicode_Check(name)) {
+                Py_CLEAR(name);
+                PyErr_Clear();
+                path = PyObject_GetAttr(req, smp_path_str);
+            }
+            Py_DECREF(req);
         }
         PyErr_Clear();
     }
-    if (!path) {
+    if (!name && !path) {
         PyObject *chain = spawner_chain(st, g, gid);
-        PyObject *note = chain ? note_find(st, chain) : NULL;
-        if (note && PyTuple_Check(note) && PyTuple_GET_SIZE(note) == 3) {
-            path = Py_NewRef(PyTuple_GET_ITEM(note, 1));
+        if (chain) {
+            note_route_find(st, chain, &name, &path);
         }
-        Py_XDECREF(note);
         Py_XDECREF(chain);
         PyErr_Clear();
     }
-    if (!path || !PyUnicode_Check(path)) {
-        Py_XDECREF(path);
-        return Py_NewRef(smp_no_request);
+    PyObject *route;
+    if (name && PyUnicode_Check(name)) {
+        route = smp_cached(smp_names, smp_name_fn, name);   /* cleaned */
+    } else if (path && PyUnicode_Check(path)) {
+        route = smp_cached(smp_routes, smp_route_fn, path);
+    } else {
+        route = Py_NewRef(smp_no_request);
     }
-    PyObject *route = PyDict_GetItemWithError(smp_routes, path);
-    if (route) {
-        Py_DECREF(path);
-        return Py_NewRef(route);
-    }
-    route = PyObject_CallOneArg(smp_route_fn, path);
-    if (!route || !PyUnicode_Check(route)) {
-        Py_XDECREF(route);
-        PyErr_Clear();
-        Py_DECREF(path);
-        return Py_NewRef(smp_other);
-    }
-    if (PyDict_GET_SIZE(smp_routes) >= GQP_SMP_ROUTE_CACHE) {
-        PyDict_Clear(smp_routes);
-    }
-    PyDict_SetItem(smp_routes, path, route);
-    PyErr_Clear();
-    Py_DECREF(path);
+    Py_XDECREF(name);
+    Py_XDECREF(path);
     return route;
+}
+
+/* sampler_name(name): the app named the route of the request the calling
+ * greenlet serves (set_route, the Flask and Django hooks): its samples
+ * from now on count under it.  True when that request was found (the
+ * greenlet is a request's own on a watched or noted thread). */
+static PyObject *smp_name_py(PyObject *self, PyObject *name)
+{
+    (void)self;
+    gqp_py_thread *st = gqp__tls;
+    uint64_t key = 0, gid = 0;
+    gqp_profile *p = NULL;
+    if (!PyUnicode_CheckExact(name) || !st || !st_live(st) ||
+        gqp_tracer_current(st->tracer, &key, &gid, &p) != GQP_OK || !gid) {
+        Py_RETURN_FALSE;
+    }
+    if (!p) {
+        return PyBool_FromLong(note_name(st, gid, name));
+    }
+    /* A sampled request: its Request object, found through the engine
+     * the sampler watches on this thread. */
+    PyObject *by_addr = NULL;
+    for (int i = 0; i < smp_n && !by_addr; i++) {
+        if (((gqp_hookref *)smp_watched[i].ref)->st == st) {
+            by_addr = smp_watched[i].by_addr;
+        }
+    }
+    PyObject *k = by_addr ? PyLong_FromVoidPtr(p) : NULL;
+    PyObject *req = k ? PyDict_GetItemWithError(by_addr, k) : NULL;
+    Py_XDECREF(k);
+    int done = 0;
+    if (req) {
+        Py_INCREF(req);
+        PyObject *rg = PyObject_GetAttr(req, smp_greenlet_str);
+        /* (its own greenlet only: a child names only itself) */
+        if (rg && (uint64_t)(uintptr_t)rg == key) {
+            done = PyObject_SetAttr(req, smp_route_str, name) == 0;
+        }
+        Py_XDECREF(rg);
+        Py_DECREF(req);
+    }
+    PyErr_Clear();
+    return PyBool_FromLong(done);
 }
 
 /* The id of frame (code, line), interned in smp_frames; -1 when the
@@ -401,33 +471,36 @@ static PyObject *smp_watch_py(PyObject *self, PyObject *const *args,
 }
 
 /* sampler_setup(counts, ids, stacks, frames, frame_ids, routes, route_fn,
- *               no_request, other, max_stacks, max_frames, max_keys) */
+ *               names, name_fn, no_request, other, max_stacks,
+ *               max_frames, max_keys) */
 static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
                               Py_ssize_t nargs)
 {
     (void)self;
-    if (want_args(nargs, 12, "sampler_setup") < 0) {
+    if (want_args(nargs, 14, "sampler_setup") < 0) {
         return NULL;
     }
-    Py_ssize_t ms = PyLong_AsSsize_t(args[9]);
-    Py_ssize_t mf = PyLong_AsSsize_t(args[10]);
-    Py_ssize_t mk = PyLong_AsSsize_t(args[11]);
+    Py_ssize_t ms = PyLong_AsSsize_t(args[11]);
+    Py_ssize_t mf = PyLong_AsSsize_t(args[12]);
+    Py_ssize_t mk = PyLong_AsSsize_t(args[13]);
     if (PyErr_Occurred()) {
         return NULL;
     }
     if (!PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) ||
         !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
         !PyDict_CheckExact(args[4]) || !PyDict_CheckExact(args[5]) ||
-        !PyCallable_Check(args[6]) || !PyUnicode_Check(args[7]) ||
-        !PyUnicode_Check(args[8]) || ms < 1 || mk < 1 || mf < 1 ||
+        !PyCallable_Check(args[6]) || !PyDict_CheckExact(args[7]) ||
+        !PyCallable_Check(args[8]) || !PyUnicode_Check(args[9]) ||
+        !PyUnicode_Check(args[10]) || ms < 1 || mk < 1 || mf < 1 ||
         mf > UINT32_MAX) {
         PyErr_SetString(PyExc_TypeError, "sampler_setup: bad arguments");
         return NULL;
     }
     PyObject **slots[] = {&smp_counts, &smp_ids, &smp_stacks, &smp_frames,
                           &smp_frame_ids, &smp_routes, &smp_route_fn,
-                          &smp_no_request, &smp_other};
-    for (int i = 0; i < 9; i++) {
+                          &smp_names, &smp_name_fn, &smp_no_request,
+                          &smp_other};
+    for (int i = 0; i < 11; i++) {
         Py_XSETREF(*slots[i], Py_NewRef(args[i]));
     }
     smp_max_stacks = ms;
@@ -516,6 +589,8 @@ static PyObject *smp_stats_py(PyObject *self, PyObject *unused)
 static PyMethodDef smp_defs[] = {
     {"sampler_watch", (PyCFunction)(void (*)(void))smp_watch_py,
      METH_FASTCALL, "Samples the calling thread's stacks (internal)."},
+    {"sampler_name", (PyCFunction)smp_name_py, METH_O,
+     "Names the route of the calling greenlet's request (internal)."},
     {"sampler_setup", (PyCFunction)(void (*)(void))smp_setup_py,
      METH_FASTCALL, "Sets where samples are counted (internal)."},
     {"sampler_run", (PyCFunction)smp_run_py, METH_O,
@@ -540,15 +615,20 @@ static int gqp_py_sampler_init(void)
     PyObject *reg = PyImport_ImportModule("greqprof._registry");
     if (!smp_path_str) {
         smp_path_str = PyUnicode_InternFromString("path");
+        smp_route_str = PyUnicode_InternFromString("stack_route");
+        smp_final_str = PyUnicode_InternFromString("route");
+        smp_greenlet_str = PyUnicode_InternFromString("greenlet");
     }
-    for (PyMethodDef *d = smp_defs; reg && smp_path_str && d->ml_name; d++) {
+    int strs = smp_path_str && smp_route_str && smp_final_str &&
+               smp_greenlet_str;
+    for (PyMethodDef *d = smp_defs; reg && strs && d->ml_name; d++) {
         PyObject *fn = PyCFunction_New(d, NULL);
         if (!fn || PyObject_SetAttrString(reg, d->ml_name, fn) < 0) {
             rc = -1;
         }
         Py_XDECREF(fn);
     }
-    if (!reg || !smp_path_str) {
+    if (!reg || !strs) {
         rc = -1;
     }
     Py_XDECREF(reg);

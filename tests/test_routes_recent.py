@@ -1,0 +1,124 @@
+"""mw.routes(window="recent"): the requests of the last RECENT_S seconds
+(or a little more), from snapshots the drain loop takes every
+RECENT_STEP_S (greqprof/routes.py's RouteAggregates)."""
+import pytest
+
+from greqprof import _registry, routes
+from greqprof.routes import RECENT_S, RECENT_STEP_S, RouteAggregates
+from test_middleware import serve, wait_for  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def by_route(records):
+    return {r["route"]: r for r in records}
+
+
+def test_the_recent_window_counts_what_came_after_its_snapshot():
+    agg = RouteAggregates(_registry.RouteCounts)
+    c = agg.counts
+    for _ in range(10):
+        c.record("/a", 200, False, 0.01)
+    # No snapshot yet: the window is the whole life.
+    assert by_route(agg.to_records("recent", now=1000.0))["/a"][
+        "requests"] == 10
+    agg.tick(now=1000.0)
+    for _ in range(5):
+        c.record("/a", 200, False, 0.1)
+    for _ in range(3):
+        c.record("/b", 503, False, 0.002)
+    recent = by_route(agg.to_records("recent", now=1030.0))
+    assert set(recent) == {"/a", "/b"}
+    a = recent["/a"]
+    assert a["requests"] == 5 and a["errors"] == 0
+    # Quantiles and the maximum from the window's buckets: within the
+    # histogram's bound of the window's 0.1 s, not the older 0.01 s.
+    assert a["wall_p50"] == pytest.approx(0.1, rel=0.045)
+    assert 0.1 <= a["wall_max"] <= 0.1 * 2 ** (1 / 8)
+    assert a["wall_mean"] == pytest.approx(0.1)
+    b = recent["/b"]
+    assert b["requests"] == 3 and b["errors"] == 3 and \
+        b["status"]["5xx"] == 3
+    assert b["wall_p99"] == pytest.approx(0.002, rel=0.045)
+    # Since start: everything.
+    assert by_route(agg.to_records())["/a"]["requests"] == 15
+    assert by_route(agg.to_records("start"))["/a"]["requests"] == 15
+
+
+def test_the_window_slides_and_idle_routes_drop_out():
+    agg = RouteAggregates(_registry.RouteCounts)
+    c = agg.counts
+    t = 5000.0
+    agg.tick(now=t)
+    c.record("/old", 200, False, 0.01)
+    # Snapshots every RECENT_STEP_S: after RECENT_S + a step without a
+    # request, /old is out of the window.
+    for k in range(1, RECENT_S // RECENT_STEP_S + 2):
+        agg.tick(now=t + k * RECENT_STEP_S)
+    c.record("/new", 200, False, 0.01)
+    now = t + (RECENT_S // RECENT_STEP_S + 1) * RECENT_STEP_S + 1
+    recent = by_route(agg.to_records("recent", now=now))
+    assert set(recent) == {"/new"}, recent
+    assert len(agg._snaps) == RECENT_S // RECENT_STEP_S + 1   # (bounded)
+    # A tick before the step is due takes no snapshot.
+    n = len(agg._snaps)
+    agg.tick(now=now + 1)
+    assert len(agg._snaps) == n and agg._snaps[-1][0] < now
+
+
+def test_sampled_numbers_are_windowed_too():
+    agg = RouteAggregates(_registry.RouteCounts)
+    agg.counts.record("/s", 200, False, 0.01)
+    agg.add_sampled("/s", 0.004, 0.002, blocking=1, blocked=0.2)
+    agg.tick(now=10.0)
+    agg.counts.record("/s", 200, False, 0.01)
+    agg.add_sampled("/s", 0.008, 0.001)
+    rec = by_route(agg.to_records("recent", now=20.0))["/s"]
+    assert rec["sampled"] == 1 and rec["cpu"] == pytest.approx(0.008)
+    assert rec["waiting"] == pytest.approx(0.001)
+    assert rec["blocking"] == 0 and rec["blocked"] == 0.0
+    rec = by_route(agg.to_records())["/s"]
+    assert rec["sampled"] == 2 and rec["blocking"] == 1
+
+
+@pytest.mark.parametrize("window", ["last", 5, ""])
+def test_a_bad_window_says_what_is_wrong(window):
+    agg = RouteAggregates(_registry.RouteCounts)
+    with pytest.raises(ValueError, match="window"):
+        agg.to_records(window)
+
+
+def app(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+def test_a_real_servers_recent_routes(serve):
+    s = serve(app, pct=0.0, report=False)
+    assert s.get("/early/1").status == 200
+    # The drain loop (once a second) takes the first snapshot.
+    wait_for(lambda: s.mw._routes._snaps, what="a snapshot")
+    for i in range(3):
+        assert s.get("/late/%d" % i).status == 200
+    recent = by_route(s.mw.routes(window="recent"))
+    assert recent["/late/{id}"]["requests"] == 3
+    assert "/early/{id}" not in recent
+    assert by_route(s.mw.routes())["/early/{id}"]["requests"] == 1
+    with pytest.raises(ValueError, match="window"):
+        s.mw.routes(window="yesterday")
+    assert routes.RECENT_S == 300
+
+
+def test_the_routes_page_shows_the_recent_window(serve):
+    s = serve(app, pct=0.0, report=False, ui_path="/_greqprof")
+    assert s.get("/early/1").status == 200
+    wait_for(lambda: s.mw._routes._snaps, what="a snapshot")
+    assert s.get("/late/1").status == 200
+    page = s.get("/_greqprof/routes").body.decode()
+    assert "/early/{id}" in page and "/late/{id}" in page
+    assert "window=recent" in page and "since it started" in page
+    page = s.get("/_greqprof/routes?window=recent&sort=p99").body.decode()
+    assert "/late/{id}" in page and "/early/{id}" not in page
+    assert "in about the last 5 minutes" in page
+    # (sorting keeps the window)
+    assert "sort=requests&amp;window=recent" in page
