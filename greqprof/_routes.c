@@ -103,7 +103,7 @@ static void rt_record(gqp_rt *rt, PyObject *route, int status, int error,
 {
     rt_cell *c = rt_cell_of(rt, route);
     if (!c) {
-        PyErr_Clear();
+        err_clear();
         return;
     }
     c->requests++;
@@ -142,13 +142,13 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
         if (v && PyUnicode_CheckExact(v)) {
             Py_INCREF(v);
             if (PyDict_DelItem(rt->named, g) < 0) {
-                PyErr_Clear();
+                err_clear();
             }
             Py_DECREF(g);
             return v;
         }
         Py_XDECREF(g);
-        PyErr_Clear();
+        err_clear();
     }
     if (!PyDict_CheckExact(environ)) {
         goto python;
@@ -174,18 +174,18 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
         return Py_NewRef(v);
     }
     Py_INCREF(path);
-    PyErr_Clear();
+    err_clear();
     v = PyObject_CallOneArg(rt->namer, environ);
     if (v && PyUnicode_CheckExact(v) &&
         PyDict_GET_SIZE(rt->cache) < RT_CACHE_MAX &&
         PyUnicode_GET_LENGTH(path) <= RT_CACHE_PATH &&
         PyDict_SetItem(rt->cache, path, v) < 0) {
-        PyErr_Clear();
+        err_clear();
     }
     Py_DECREF(path);
     goto checked;
 python:
-    PyErr_Clear();
+    err_clear();
     v = PyObject_CallOneArg(rt->namer, environ);
 checked:
     if (v && PyUnicode_Check(v) && !PyUnicode_CheckExact(v)) {
@@ -195,7 +195,7 @@ checked:
     if (!v || !PyUnicode_Check(v)) {
         rt->namer_errors++;
         Py_XDECREF(v);
-        PyErr_Clear();
+        err_clear();
         return NULL;
     }
     return v;
@@ -418,7 +418,7 @@ static int rtw_finish(gqp_rtw *w, int close)
     PyObject *route = NULL;
     int skip = w->environ && PyDict_Check(w->environ) &&
                PyDict_GetItemWithError(w->environ, str_rt_skip);
-    PyErr_Clear();
+    err_clear();
     if (!skip && w->rt && w->environ) {
         route = rt_name(w->rt, w->environ);
     }
@@ -434,7 +434,7 @@ static int rtw_finish(gqp_rtw *w, int close)
     if (close && res && !PyList_CheckExact(res) && !PyTuple_CheckExact(res)) {
         PyObject *fn = PyObject_GetAttr(res, str_close);
         if (!fn && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
+            err_clear();
         } else if (!fn) {
             failed = 1;
         } else {
@@ -530,7 +530,7 @@ static void rtw_finalize(gqp_rtw *w)
      * itself, if it does, when it is freed). */
     PyObject *exc = PyErr_GetRaisedException();
     if (rtw_finish(w, 0) < 0) {
-        PyErr_Clear();
+        err_clear();
     }
     PyErr_SetRaisedException(exc);
 }
@@ -624,7 +624,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
             Py_DECREF(app);
             return r;
         }
-        PyErr_Clear();
+        err_clear();
     }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
     if (!w) {
@@ -647,7 +647,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     }
     PyObject *fw = PyList_CheckExact(result) || PyTuple_CheckExact(result)
         ? NULL : PyDict_GetItemWithError(environ, str_rt_file_wrapper);
-    PyErr_Clear();
+    err_clear();
     if (!fw && (PyList_CheckExact(result) || PyTuple_CheckExact(result))) {
         rtw_finish(w, 0);   /* (its end: nothing more runs app code) */
         Py_DECREF(w);
@@ -696,7 +696,7 @@ static void routes_sampled(gqp_mw *mw, gqp_req *req, PyObject *profile)
     PyObject *r = PyObject_CallMethodObjArgs((PyObject *)mw, str_rt_sampled,
                                              req->route, profile, NULL);
     Py_XDECREF(r);
-    PyErr_Clear();
+    err_clear();
 }
 
 static int gqp_py_routes_init(PyObject *reg)

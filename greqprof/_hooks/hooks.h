@@ -60,6 +60,16 @@ typedef struct gqp_py_thread {
  * cheaper than a thread-local in a shared object. */
 static _Thread_local gqp_py_thread *gqp__tls;
 
+/* PyErr_Clear when an exception is set: the hot paths clear after lookups
+ * that seldom fail, and PyErr_Clear with nothing set still costs a call
+ * chain (~25 instructions, a dozen times per request). */
+static inline void err_clear(void)
+{
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+    }
+}
+
 typedef struct {
     PyObject_HEAD
     gqp_py_thread *st;

@@ -12,14 +12,14 @@ static int is_hub(PyObject *g)
     if (!hub_type) {
         PyObject *mod = PyImport_GetModule(hub_module_name);
         if (!mod) {
-            PyErr_Clear();
+            err_clear();
             return 0;
         }
         PyObject *t = PyObject_GetAttrString(mod, "Hub");
         Py_DECREF(mod);
         if (!t || !PyType_Check(t)) {
             Py_XDECREF(t);
-            PyErr_Clear();
+            err_clear();
             return 0;
         }
         hub_type = (PyTypeObject *)t; /* kept for the process's life */
@@ -33,7 +33,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
     if (st->inherit) {
         /* gevent records who spawned a Greenlet (a weak reference). */
         PyObject *ref = PyObject_GetAttr(target, spawning_str);
-        PyErr_Clear();
+        err_clear();
         PyObject *parent = NULL;
         if (ref && PyWeakref_Check(ref) &&
             PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
@@ -42,7 +42,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         }
         Py_XDECREF(parent);
         Py_XDECREF(ref);
-        PyErr_Clear();
+        err_clear();
         run_remember(st, target, key);
         if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
@@ -57,7 +57,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
             }
             Py_XDECREF(k);
             Py_XDECREF(v);
-            PyErr_Clear();
+            err_clear();
         }
     }
     uint64_t id = 0;
