@@ -34,11 +34,14 @@ typedef struct gqp_note {
     uint64_t gid;
     PyObject *method, *path, *rid;   /* str or NULL */
     int clean;                       /* cleaned already (note_find) */
+    const void *serving;             /* the environ its middleware's app
+                                        runs with now (identity only) */
 } gqp_note;
 
 static void note_clear(gqp_note *n)
 {
     n->gid = 0;
+    n->serving = NULL;
     Py_CLEAR(n->method);
     Py_CLEAR(n->path);
     Py_CLEAR(n->rid);
@@ -125,6 +128,9 @@ static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
     }
     gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
     PyObject *old[3] = {n->method, n->path, n->rid};
+    if (n->gid != gid) {
+        n->serving = NULL;
+    }
     n->gid = gid;
     n->method = note_raw(method, GQP_NOTE_MAX_METHOD);
     n->path = note_raw(path, GQP_NOTE_MAX_PATH);
@@ -494,7 +500,9 @@ static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
 static PyObject *mw_end_lingering(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
-static void note_unsampled(gqp_py_thread *st, PyObject *environ);
+static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ);
+static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
+                             PyObject *environ, PyObject *start_response);
 static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
                                  Py_ssize_t nargs);
 static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
@@ -574,9 +582,25 @@ static PyObject *mw_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return self;
 }
 
-static int light_ok(void)
+static int light_ok(gqp_mw *self)
 {
-    return mw_live == 1 && gqp__tls && gqp__tls->open_profiles == 0;
+    return mw_live == 1 && self->blocking && gqp__tls &&
+           gqp__tls->open_profiles == 0;
+}
+
+/* Light: whether the running greenlet's unsampled request is being served
+ * with environ now (the app forwards it to its middleware again): counted
+ * by its route once, as the environ mark made it. */
+static int serving_here(PyObject *environ)
+{
+    gqp_py_thread *st = gqp__tls;
+    uint64_t gid = 0;
+    if (!st->notes || !st->active || !st->tracer ||
+        gqp_tracer_current(st->tracer, NULL, &gid, NULL) != GQP_OK) {
+        return 0;
+    }
+    gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+    return n->gid == gid && n->serving == environ;
 }
 
 /* Marks environ as self's (its outer middleware's): what a nested
@@ -758,8 +782,11 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     if (self->routes && self->enabled && self->app &&
         PyDict_Check(environ)) {
         /* Counted by its route, unless an outer middleware counts it. */
-        if (light_ok()) {
-            return routes_call(self, environ, start_response);
+        if (light_ok(self)) {
+            if (!serving_here(environ)) {
+                return routes_call(self, environ, start_response);
+            }
+            return mw_serve(self, environ, start_response);
         }
         PyObject *outer = PyDict_GetItemWithError(environ, str_mark_key);
         if (!outer && !PyErr_Occurred()) {
@@ -780,7 +807,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
     if (!self->enabled) {
         return call_app(self, environ, start_response);
     }
-    int light = PyDict_Check(environ) && light_ok();
+    int light = PyDict_Check(environ) && light_ok(self);
     if (PyDict_Check(environ) && !light) {
         /* Wrapped twice (Flask's app.wsgi_app plus a server hook that
          * wraps again): the outer middleware marks the request, the inner
@@ -894,14 +921,40 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         }
     }
     if (st) {
-        note_unsampled(st, environ);
+        return serve_noted(self, st, environ, start_response);
     }
     return call_app(self, environ, start_response);
 }
 
+/* Runs the app for an unsampled request, noted (note_unsampled), its note
+ * saying meanwhile that environ is being served (serving_here). */
+static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
+                             PyObject *environ, PyObject *start_response)
+{
+    uint64_t gid = note_unsampled(st, environ);
+    gqp_note *n = gid && st->notes ? &st->notes[gid & (GQP_NOTES - 1)]
+                                   : NULL;
+    const void *prev = NULL;
+    if (n && n->gid == gid) {
+        prev = n->serving;
+        n->serving = environ;
+    }
+    PyObject *r = call_app(self, environ, start_response);
+    /* (the app may have stopped the engine, freeing st: looked up again;
+     * greenlet ids are never reused, so a slot of gid is this request's) */
+    st = n && gqp__tls == st ? st : NULL;
+    if (st && st->notes) {
+        n = &st->notes[gid & (GQP_NOTES - 1)];
+        if (n->gid == gid && n->serving == environ) {
+            n->serving = prev;
+        }
+    }
+    return r;
+}
+
 /* Notes the unsampled request the running greenlet begins (environ: an
  * exact dict). */
-static void note_unsampled(gqp_py_thread *st, PyObject *environ)
+static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ)
 {
     uint64_t gid = 0;
     if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
@@ -921,6 +974,7 @@ static void note_unsampled(gqp_py_thread *st, PyObject *environ)
         Py_XDECREF(r);
         err_clear();
     }
+    return gid;
 }
 
 /* _lifecycle_setup(observers): whether observers hear of requests. */
