@@ -6,31 +6,77 @@ once, a nested middleware deferring) still holds.  Real gevent.pywsgi
 servers, as in test_middleware.py."""
 import gc
 import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
+from conftest import CHILD_CWD, child_env
 from greqprof import ProfilingMiddleware, _registry
 from greqprof.middleware import MARK_KEY
 from test_middleware import LOGGER, _blocking_warnings, ok, wait_for
 from test_middleware import serve  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
+
+_CHILD = "GQP_TEST_LIGHT_CHILD"
 
 
-def _alone():
-    """Drops middlewares earlier tests left to the garbage collector: the
-    light path runs only while one middleware lives."""
+@pytest.fixture(scope="module")
+def child_outcomes():
+    """The light path runs only while one middleware lives: when earlier
+    tests of this process left some alive, this file runs once in a fresh
+    interpreter instead, and each test here checks its outcome there
+    (None: run here)."""
     gc.collect()
-    assert _registry.live_middlewares() == 0, \
-        "a middleware of an earlier test is still alive"
+    if os.environ.get(_CHILD) or _registry.live_middlewares() == 0:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "light.xml")
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "--junitxml", report, os.path.abspath(__file__)],
+            cwd=CHILD_CWD, env=child_env(**{_CHILD: "1"}),
+            capture_output=True, text=True, timeout=110)
+        assert os.path.exists(report), run.stdout + run.stderr
+        outcomes = {}
+        for case in ET.parse(report).iter("testcase"):
+            bad = case.find("failure")
+            if bad is None:
+                bad = case.find("error")
+            if bad is None:
+                bad = case.find("skipped")
+            outcomes[case.get("name")] = None if bad is None else \
+                (bad.get("message") or "") + (bad.text or "")
+        return outcomes
+
+
+@pytest.fixture
+def alone(request, child_outcomes):
+    """True: run the test here (no other middleware alive); False: it ran
+    in the fresh interpreter, and passed there."""
+    if child_outcomes is None:
+        gc.collect()
+        assert _registry.live_middlewares() == 0, \
+            "a middleware of an earlier test is still alive"
+        return True
+    name = request.node.name
+    assert name in child_outcomes, sorted(child_outcomes)
+    assert child_outcomes[name] is None, child_outcomes[name]
+    return False
 
 
 def _route_total(mw):
     return sum(r["requests"] for r in mw.routes())
 
 
-def test_one_middleware_leaves_unsampled_environs_unmarked(serve):
-    _alone()
+def test_one_middleware_leaves_unsampled_environs_unmarked(serve, alone):
+    if not alone:
+        return
     marked = []
 
     def app(environ, start_response):
@@ -46,8 +92,9 @@ def test_one_middleware_leaves_unsampled_environs_unmarked(serve):
     assert _route_total(s.mw) == 5
 
 
-def test_stats_requests_counted_in_c_read_right(serve):
-    _alone()
+def test_stats_requests_counted_in_c_read_right(serve, alone):
+    if not alone:
+        return
     s = serve(ok(), pct=0.0, blocking_ms=100)
     stats = s.mw.stats
     for i in range(1, 6):
@@ -65,8 +112,9 @@ def test_stats_requests_counted_in_c_read_right(serve):
     assert s.mw.stats["requests"] == 1 and stats["requests"] == 16
 
 
-def test_sampled_requests_are_still_marked_on_the_light_path(serve):
-    _alone()
+def test_sampled_requests_are_still_marked_on_the_light_path(serve, alone):
+    if not alone:
+        return
     marked = []
 
     def app(environ, start_response):
@@ -84,11 +132,12 @@ def test_sampled_requests_are_still_marked_on_the_light_path(serve):
 
 
 def test_an_unsampled_forward_to_its_middleware_counts_its_route_once(
-        serve):
+        serve, alone):
     """The app forwards its request to the middleware again with the same
     environ (as the environ mark told before): counted by its route once,
     and both calls noted as before."""
-    _alone()
+    if not alone:
+        return
 
     def app(environ, start_response):
         if environ["PATH_INFO"] == "/outer":
@@ -107,8 +156,10 @@ def test_an_unsampled_forward_to_its_middleware_counts_its_route_once(
     assert s.mw.stats["requests"] == 7
 
 
-def test_a_nested_middleware_still_defers_to_the_outer_one(serve, caplog):
-    _alone()
+def test_a_nested_middleware_still_defers_to_the_outer_one(serve, caplog,
+                                                          alone):
+    if not alone:
+        return
     caplog.set_level(logging.WARNING, logger=LOGGER)
     inner = ProfilingMiddleware(ok(), pct=0.0, blocking_ms=100,
                                 report=False)
@@ -122,11 +173,11 @@ def test_a_nested_middleware_still_defers_to_the_outer_one(serve, caplog):
              what="the inner middleware's warning")
 
 
-def test_a_blocking_warning_names_a_light_request(serve, caplog):
+def test_a_blocking_warning_names_a_light_request(serve, caplog, alone):
     """The note is kept uncleaned and cleaned when a report reads it."""
-    _alone()
+    if not alone:
+        return
     caplog.set_level(logging.INFO, logger=LOGGER)
-    import time
 
     def app(environ, start_response):
         if environ["PATH_INFO"].startswith("/block"):
