@@ -31,18 +31,22 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 {
     uint64_t key = (uint64_t)(uintptr_t)target;
     if (st->inherit) {
-        /* gevent records who spawned a Greenlet (a weak reference). */
-        PyObject *ref = PyObject_GetAttr(target, spawning_str);
-        err_clear();
-        PyObject *parent = NULL;
-        if (ref && PyWeakref_Check(ref) &&
-            PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
-            uint64_t pkey = (uint64_t)(uintptr_t)parent;
-            gqp_tracer_inherit(st->tracer, key, pkey);
+        /* gevent records who spawned a Greenlet (a weak reference); only
+         * asked when some greenlet has a profile to pass on (not on the
+         * unsampled requests' path). */
+        if (gqp_tracer_can_inherit(st->tracer) > 0) {
+            PyObject *ref = PyObject_GetAttr(target, spawning_str);
+            err_clear();
+            PyObject *parent = NULL;
+            if (ref && PyWeakref_Check(ref) &&
+                PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
+                uint64_t pkey = (uint64_t)(uintptr_t)parent;
+                gqp_tracer_inherit(st->tracer, key, pkey);
+            }
+            Py_XDECREF(parent);
+            Py_XDECREF(ref);
+            err_clear();
         }
-        Py_XDECREF(parent);
-        Py_XDECREF(ref);
-        err_clear();
         run_remember(st, target, key);
         if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
