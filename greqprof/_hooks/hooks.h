@@ -29,6 +29,7 @@ typedef struct gqp_py_thread {
     int calls_on;              /* wanted (gqp_py_calls): while a greenlet
                                   of a profile runs (calls.c, calls_follow) */
     uint64_t hub_key;          /* this thread's gevent hub, once seen */
+    uint64_t hub_parent_key;   /* its parent then (where it goes dead) */
     uint64_t ctx_ver;          /* the thread's context_ver after our last
                                 * switch: greenlet bumps it at every switch,
                                 * so a change means one we did not see */

@@ -50,6 +50,12 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
         run_remember(st, target, key);
         if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
+            PyObject *parent = parent_getter.get ? getter_call(&parent_getter,
+                                                               target)
+                                                 : NULL;
+            err_clear();
+            st->hub_parent_key = (uint64_t)(uintptr_t)parent;
+            Py_XDECREF(parent);   /* (the main greenlet: it stays) */
             /* (told once, from this thread: the watchdog reads ids, never
              * this thread's state) */
             uint64_t hid = 0;
@@ -98,7 +104,12 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
     if (st->active) {
         PyObject *origin = PyTuple_GET_ITEM(pair, 0);
         PyObject *target = PyTuple_GET_ITEM(pair, 1);
-        int dead = is_dead(origin);
+        /* The hub leaves alive except to its parent (where a dead
+         * greenlet goes): most switches skip asking. */
+        uint64_t okey = (uint64_t)(uintptr_t)origin;
+        int dead = okey == st->hub_key && st->hub_parent_key &&
+                   (uint64_t)(uintptr_t)target != st->hub_parent_key
+                   ? 0 : is_dead(origin);
         uint64_t dead_id = 0;
         if (dead) {
             gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)origin,
