@@ -80,7 +80,10 @@ def measure(config, requests, conns, warmup, tmp):
     interval, and callgrind slows the server ~50x: per request they count
     ~50x what they cost at full speed, and vary with the machine's load."""
     out = os.path.join(tmp, "cg.%s.out" % re.sub(r"\W", "_", config))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # (one hash seed: the environ lookups that miss probe as far as the
+    # keys' hashes make them, ~2k instructions per request from one seed
+    # to another)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONHASHSEED="0")
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out,
          "--separate-threads=yes", sys.executable, os.path.join(HERE, "_load_server.py"),

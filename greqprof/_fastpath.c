@@ -524,6 +524,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
 static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
                              PyObject *start_response);
 static PyObject *mw_routes_setup(gqp_mw *self, PyObject *arg);
+static void routes_slow(PyObject *start_response);
 static int gqp_py_routes_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
@@ -647,6 +648,16 @@ static PyObject *call_method2(PyObject *self, PyObject *name, PyObject *a,
 {
     PyObject *args[] = {self, a, b};
     return PyObject_VectorcallMethod(name, args, 3, NULL);
+}
+
+/* The request goes to Python's _call_slow (which may serve it with the
+ * inspector: not counted by its route, routes_slow). */
+static PyObject *call_slow(gqp_mw *self, PyObject *environ,
+                           PyObject *start_response)
+{
+    routes_slow(start_response);
+    return call_method2((PyObject *)self, str_call_slow, environ,
+                        start_response);
 }
 
 /* stats[key] += 1 (the dict Python code also updates). */
@@ -843,8 +854,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         if (light) {
             mark(self, environ);
         }
-        return call_method2((PyObject *)self, str_call_slow, environ,
-                            start_response);
+        return call_slow(self, environ, start_response);
     }
     if (self->trigger_key) {
         PyObject *v = PyDict_GetItemWithError(environ, self->trigger_key);
@@ -853,8 +863,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
             if (light) {
                 mark(self, environ);
             }
-            return call_method2((PyObject *)self, str_call_slow, environ,
-                                start_response);
+            return call_slow(self, environ, start_response);
         }
     }
     gqp_py_thread *st = NULL;
@@ -867,8 +876,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         if (light) {
             mark(self, environ);
         }
-        return call_method2((PyObject *)self, str_call_slow, environ,
-                            start_response);
+        return call_slow(self, environ, start_response);
     }
     if (!self->blocking && gqp__tls && gqp__tls->open_profiles > 0 &&
         !armed_state(self)) {
@@ -880,8 +888,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         if (light) {
             mark(self, environ);
         }
-        return call_method2((PyObject *)self, str_call_slow, environ,
-                            start_response);
+        return call_slow(self, environ, start_response);
     }
     int sampled = 0;
     if (self->pct >= 1.0) {

@@ -48,6 +48,8 @@ typedef struct {
     int64_t t0;
     int status;
     char error, done;
+    char slow;            /* served by Python (_call_slow), which may say
+                             "not counted" (greqprof.no_route) */
 } gqp_rtw;
 
 static PyObject *str_rt_route_key, *str_rt_script, *str_rt_wzreq,
@@ -416,7 +418,7 @@ static int rtw_finish(gqp_rtw *w, int close)
     w->done = 1;
     PyObject *exc = PyErr_GetRaisedException();
     PyObject *route = NULL;
-    int skip = w->environ && PyDict_Check(w->environ) &&
+    int skip = w->slow && w->environ && PyDict_Check(w->environ) &&
                PyDict_GetItemWithError(w->environ, str_rt_skip);
     err_clear();
     if (!skip && w->rt && w->environ) {
@@ -635,7 +637,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     w->start_response = Py_NewRef(start_response);
     w->result = w->it = NULL;
     w->status = 0;
-    w->error = w->done = 0;
+    w->error = w->done = w->slow = 0;
     w->t0 = rt_now();
     PyObject_GC_Track(w);
     PyObject *result = mw_serve(mw, environ, (PyObject *)w);
@@ -671,6 +673,17 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         return NULL;
     }
     return (PyObject *)w;
+}
+
+/* mw_serve hands the request to Python: if start_response is a route
+ * wrapper, its end looks for greqprof.no_route (the inspector's
+ * requests are not counted). */
+static void routes_slow(PyObject *start_response)
+{
+    if (Py_IS_TYPE(start_response, &gqp_rtw_iter_type) ||
+        Py_IS_TYPE(start_response, &gqp_rtw_seq_type)) {
+        ((gqp_rtw *)start_response)->slow = 1;
+    }
 }
 
 /* _routes_setup(counts): counts every request it owns in that
