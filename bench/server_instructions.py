@@ -16,6 +16,10 @@ what concurrency changes: the span history a sampled request's waiting
 time is computed from grows with the number of connections.  Kernel time
 (system calls) is not counted.  --top lists the functions whose own
 instructions per request grew most against the first configuration.
+Each thread is counted apart: "main thread" leaves out the background
+threads (gevent's monitor, greqprof's watchdog), which wake up per
+wall-clock interval and so count ~50x their real cost per request under
+callgrind, varying with the machine's load.
 """
 import argparse
 import collections
@@ -70,12 +74,19 @@ def _load(port, n, conns):
 
 
 def measure(config, requests, conns, warmup, tmp):
-    """(instructions per request, callgrind dump path) for one config."""
+    """(instructions per request, of them in the main thread, callgrind
+    dump path of the main thread) for one config.  Background threads
+    (gevent's monitor, greqprof's watchdog) wake up per wall-clock
+    interval, and callgrind slows the server ~50x: per request they count
+    ~50x what they cost at full speed, and vary with the machine's load."""
     out = os.path.join(tmp, "cg.%s.out" % re.sub(r"\W", "_", config))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # (one hash seed: the environ lookups that miss probe as far as the
+    # keys' hashes make them, ~2k instructions per request from one seed
+    # to another)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONHASHSEED="0")
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out,
-         sys.executable, os.path.join(HERE, "_load_server.py"),
+         "--separate-threads=yes", sys.executable, os.path.join(HERE, "_load_server.py"),
          "--config", config, "--port", "0", "--rows", "24"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
@@ -94,13 +105,20 @@ def measure(config, requests, conns, warmup, tmp):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    dumps = [d for d in glob.glob(out + ".*") if d[-1].isdigit()]
+    # (the dump of -d, one file per thread: OUT.<part>-<thread>)
+    dumps = [d for d in glob.glob(out + ".*-*")
+             if re.search(r"\.\d+-\d+$", d)]
     if not dumps:
         raise RuntimeError("no callgrind dump for " + config)
-    dump = max(dumps, key=os.path.getmtime)
-    with open(dump) as f:
-        total = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
-    return total / done, dump
+    part = max(dumps, key=os.path.getmtime).rsplit("-", 1)[0]
+    total = main = 0
+    for dump in glob.glob(part + "-*"):
+        with open(dump) as f:
+            n = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
+        total += n
+        if dump.endswith("-01"):
+            main, main_dump = n, dump
+    return total / done, main / done, main_dump
 
 
 def self_costs(dump):
@@ -159,15 +177,20 @@ def main():
     rows, dumps, base = [], [], None
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in args.configs:
-            per, dump = measure(cfg, args.requests, args.connections,
-                                args.warmup, args.keep or tmp)
-            base = per if base is None else base
-            bu.log("%-24s %10.0f instructions/request" % (cfg, per))
-            rows.append([cfg, "%.0f" % per, "%+.0f" % (per - base)])
+            per, main_per, dump = measure(cfg, args.requests,
+                                          args.connections, args.warmup,
+                                          args.keep or tmp)
+            base = (per, main_per) if base is None else base
+            bu.log("%-24s %10.0f instructions/request (main thread %.0f)"
+                   % (cfg, per, main_per))
+            rows.append([cfg, "%.0f" % per, "%+.0f" % (per - base[0]),
+                         "%.0f" % main_per,
+                         "%+.0f" % (main_per - base[1])])
             dumps.append((cfg, dump, args.requests))
         table = bu.md_table if args.markdown else bu.text_table
         print(table(["configuration", "instructions per request",
-                     "added to %s" % args.configs[0]], rows))
+                     "added to %s" % args.configs[0], "main thread",
+                     "added (main thread)"], rows))
         if args.top and len(dumps) > 1:
             first = self_costs(dumps[0][1])
             for cfg, dump, n in dumps[1:]:
@@ -175,7 +198,8 @@ def main():
                 diff = sorted(((grew[k] - first[k]) / n, k)
                               for k in set(first) | set(grew))
                 print("\n%s: functions whose own instructions per request "
-                      "grew most against %s" % (cfg, args.configs[0]))
+                      "grew most against %s (main thread)"
+                      % (cfg, args.configs[0]))
                 print(table(["function", "added per request"],
                             [[k[:70], "%+.0f" % d]
                              for d, k in diff[::-1][:args.top]]))

@@ -34,11 +34,15 @@ typedef struct gqp_note {
     uint64_t gid;
     PyObject *method, *path, *rid;   /* str or NULL */
     PyObject *route;   /* named by the app so far (_hooks/sampler.c) */
+    int clean;                       /* cleaned already (note_find) */
+    const void *serving;             /* the environ its middleware's app
+                                        runs with now (identity only) */
 } gqp_note;
 
 static void note_clear(gqp_note *n)
 {
     n->gid = 0;
+    n->serving = NULL;
     Py_CLEAR(n->method);
     Py_CLEAR(n->path);
     Py_CLEAR(n->rid);
@@ -92,7 +96,23 @@ static PyObject *note_str(PyObject *v, Py_ssize_t max)
         return NULL;
     }
     PyObject *cut = str_cut(v, max);
-    PyErr_Clear();
+    err_clear();
+    return cut;
+}
+
+/* v if it is an exact str, cut to max characters, uncleaned (note_find
+ * cleans what it reads: most notes are never read); a new reference, or
+ * NULL. */
+static PyObject *note_raw(PyObject *v, Py_ssize_t max)
+{
+    if (!v || !PyUnicode_CheckExact(v)) {
+        return NULL;
+    }
+    if (PyUnicode_GET_LENGTH(v) <= max) {
+        return Py_NewRef(v);
+    }
+    PyObject *cut = PyUnicode_Substring(v, 0, max);
+    err_clear();
     return cut;
 }
 
@@ -108,16 +128,23 @@ static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
     if (!st->notes && !(st->notes = calloc(GQP_NOTES, sizeof *st->notes))) {
         return;
     }
-    /* (made before the slot is touched: cleaning may run Python) */
-    PyObject *m = note_str(method, GQP_NOTE_MAX_METHOD);
-    PyObject *p = note_str(path, GQP_NOTE_MAX_PATH);
-    PyObject *r = note_str(rid, GQP_NOTE_MAX_RID);
     gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
-    note_clear(n);
+    /* (a new request: the route the app named for the last one goes) */
+    PyObject *old[4] = {n->method, n->path, n->rid, n->route};
+    if (n->gid != gid) {
+        n->serving = NULL;
+    }
     n->gid = gid;
-    n->method = m;
-    n->path = p;
-    n->rid = r;
+    n->route = NULL;
+    n->method = note_raw(method, GQP_NOTE_MAX_METHOD);
+    n->path = note_raw(path, GQP_NOTE_MAX_PATH);
+    n->rid = note_raw(rid, GQP_NOTE_MAX_RID);
+    n->clean = 0;
+    /* (last: freeing a str runs no code, but keep the slot whole first) */
+    Py_XDECREF(old[0]);
+    Py_XDECREF(old[1]);
+    Py_XDECREF(old[2]);
+    Py_XDECREF(old[3]);
 }
 
 /* Greenlet gid died: its note goes (GIL held). */
@@ -172,7 +199,7 @@ static void run_remember(gqp_py_thread *st, PyObject *g, uint64_t key)
         return;
     }
     PyObject *run = PyDict_GetItemWithError(*dictptr, run_str);
-    PyErr_Clear();
+    err_clear();
     PyObject *fn = run && PyMethod_Check(run) ? PyMethod_GET_FUNCTION(run)
                                               : run;
     if (!fn || !PyFunction_Check(fn)) {
@@ -220,13 +247,13 @@ static PyObject *run_names(gqp_py_thread *st, uint64_t key, PyObject *names)
     Py_DECREF(fn);
     if (!fn_name) {
         Py_XDECREF(name);
-        PyErr_Clear();
+        err_clear();
         return NULL;
     }
     PyObject *res = PyTuple_Pack(2, name ? name : Py_None, fn_name);
     Py_XDECREF(name);
     Py_DECREF(fn_name);
-    PyErr_Clear();
+    err_clear();
     return res;
 }
 
@@ -245,7 +272,7 @@ static PyObject *run_names_of_id(gqp_py_thread *st, uint64_t id)
             PyObject *fn_name = run_name(r->fn);
             PyObject *res = fn_name ? Py_BuildValue("(sN)", "Greenlet",
                                                     fn_name) : NULL;
-            PyErr_Clear();
+            err_clear();
             return res;
         }
     }
@@ -271,11 +298,11 @@ static PyObject *spawner_chain(gqp_py_thread *st, PyObject *g, uint64_t gid)
         }
         n++;
         PyObject *ref = PyObject_GetAttr(cur, spawning_str);
-        PyErr_Clear();
+        err_clear();
         PyObject *parent = NULL;
         if (ref && PyWeakref_Check(ref) &&
             PyWeakref_GetRef(ref, &parent) < 0) {
-            PyErr_Clear();
+            err_clear();
         }
         Py_XDECREF(ref);
         gid = 0;
@@ -297,6 +324,38 @@ static PyObject *spawner_chain(gqp_py_thread *st, PyObject *g, uint64_t gid)
     return chain;
 }
 
+/* Cleans the text of greenlet gid's note in place, once (GIL held).
+ * Cleaning may run Python (greqprof._text.clean), which may replace the
+ * note (or free the table) meanwhile: the cleaned text goes in only if the
+ * note is still the same. */
+static void note_clean(gqp_py_thread *st, uint64_t gid)
+{
+    gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+    PyObject *raw[3] = {Py_XNewRef(n->method), Py_XNewRef(n->path),
+                        Py_XNewRef(n->rid)};
+    PyObject *m = note_str(raw[0], GQP_NOTE_MAX_METHOD);
+    PyObject *p = note_str(raw[1], GQP_NOTE_MAX_PATH);
+    PyObject *r = note_str(raw[2], GQP_NOTE_MAX_RID);
+    n = st->notes ? &st->notes[gid & (GQP_NOTES - 1)] : NULL;
+    if (n && n->gid == gid && n->method == raw[0] && n->path == raw[1] &&
+        n->rid == raw[2]) {
+        PyObject *old[3] = {n->method, n->path, n->rid};
+        n->method = m;
+        n->path = p;
+        n->rid = r;
+        n->clean = 1;
+        m = old[0];
+        p = old[1];
+        r = old[2];
+    }
+    Py_XDECREF(m);
+    Py_XDECREF(p);
+    Py_XDECREF(r);
+    for (int i = 0; i < 3; i++) {
+        Py_XDECREF(raw[i]);
+    }
+}
+
 /* (method, path, request_id) of the first noted request along a spawner
  * chain, or None; a new reference (GIL held). */
 static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
@@ -304,12 +363,19 @@ static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
     for (Py_ssize_t i = 0; st->notes && i < PyTuple_GET_SIZE(chain); i++) {
         uint64_t gid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(chain, i));
         gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+        if (n->gid == gid && !n->clean) {
+            note_clean(st, gid);
+            if (!st->notes) {
+                break;
+            }
+            n = &st->notes[gid & (GQP_NOTES - 1)];
+        }
         if (n->gid == gid) {
             return PyTuple_Pack(3, or_none(n->method), or_none(n->path),
                                 or_none(n->rid));
         }
     }
-    PyErr_Clear();
+    err_clear();
     Py_RETURN_NONE;
 }
 
@@ -398,6 +464,25 @@ static PyObject *request_note_py(PyObject *self, PyObject *const *args,
     return r;
 }
 
+/* Middlewares alive in the process: while there is one, and no sampled
+ * profile is open in the thread, a request needs no environ mark (light):
+ * no other middleware can be around it, and a request forwarded to its
+ * middleware again only matters when it is sampled (reentered), which
+ * marks its environ. */
+static Py_ssize_t mw_live;
+
+/* _registry.live_middlewares(): MiddlewareBase objects alive (tests: the
+ * light path, see light_ok, runs while there is one). */
+static PyObject *live_middlewares_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromSsize_t(mw_live);
+}
+
+static PyMethodDef live_middlewares_def = {
+    "live_middlewares", (PyCFunction)live_middlewares_py, METH_NOARGS,
+    "live_middlewares() (internal)."};
 static PyMethodDef note_def = {
     "note", (PyCFunction)(void (*)(void))note_py, METH_FASTCALL,
     "note(hooks, greenlet_id, method, path, request_id) (internal)."};
@@ -438,6 +523,8 @@ typedef struct {
     PyObject *armed_eng;     /* the engine; its containers: */
     PyObject *lingering, *requests, *profile_requests, *pending;
     PyObject *routes;        /* RouteCounts (_routes.c), or NULL */
+    long long n_requests;    /* requests counted in C, not yet folded
+                                into stats['requests'] (stats_fold) */
 } gqp_mw;
 
 /* _sampled.c */
@@ -449,7 +536,9 @@ static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
 static PyObject *mw_end_lingering(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
-static void note_unsampled(gqp_py_thread *st, PyObject *environ);
+static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ);
+static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
+                             PyObject *environ, PyObject *start_response);
 static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
                                  Py_ssize_t nargs);
 static PyObject *mw_open_release(gqp_mw *self, PyObject *const *args,
@@ -471,6 +560,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
 static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
                              PyObject *start_response);
 static PyObject *mw_routes_setup(gqp_mw *self, PyObject *arg);
+static void routes_slow(PyObject *start_response);
 static int gqp_py_routes_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
@@ -520,8 +610,48 @@ static int mw_clear(gqp_mw *self)
     return 0;
 }
 
+static PyObject *mw_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    PyObject *self = PyType_GenericNew(type, args, kw);
+    if (self) {
+        mw_live++;
+    }
+    return self;
+}
+
+static int light_ok(gqp_mw *self)
+{
+    return mw_live == 1 && self->blocking && gqp__tls &&
+           gqp__tls->open_profiles == 0;
+}
+
+/* Light: whether the running greenlet's unsampled request is being served
+ * with environ now (the app forwards it to its middleware again): counted
+ * by its route once, as the environ mark made it. */
+static int serving_here(PyObject *environ)
+{
+    gqp_py_thread *st = gqp__tls;
+    uint64_t gid = 0;
+    if (!st->notes || !st->active || !st->tracer ||
+        gqp_tracer_current(st->tracer, NULL, &gid, NULL) != GQP_OK) {
+        return 0;
+    }
+    gqp_note *n = &st->notes[gid & (GQP_NOTES - 1)];
+    return n->gid == gid && n->serving == environ;
+}
+
+/* Marks environ as self's (its outer middleware's): what a nested
+ * middleware, or self again, finds (mw_serve). */
+static void mark(gqp_mw *self, PyObject *environ)
+{
+    if (PyDict_SetItem(environ, str_mark_key, (PyObject *)self) < 0) {
+        err_clear();
+    }
+}
+
 static void mw_dealloc(gqp_mw *self)
 {
+    mw_live--;
     PyObject_GC_UnTrack(self);
     mw_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -556,6 +686,16 @@ static PyObject *call_method2(PyObject *self, PyObject *name, PyObject *a,
     return PyObject_VectorcallMethod(name, args, 3, NULL);
 }
 
+/* The request goes to Python's _call_slow (which may serve it with the
+ * inspector: not counted by its route, routes_slow). */
+static PyObject *call_slow(gqp_mw *self, PyObject *environ,
+                           PyObject *start_response)
+{
+    routes_slow(start_response);
+    return call_method2((PyObject *)self, str_call_slow, environ,
+                        start_response);
+}
+
 /* stats[key] += 1 (the dict Python code also updates). */
 static void count_stat(gqp_mw *self, PyObject *key)
 {
@@ -569,7 +709,27 @@ static void count_stat(gqp_mw *self, PyObject *key)
         PyDict_SetItem(self->stats, key, next);
         Py_DECREF(next);
     }
-    PyErr_Clear();
+    err_clear();
+}
+
+/* stats['requests'] += the requests the C path counted since the last
+ * fold: the C path only bumps a counter (storing a new int in the dict
+ * every request cost ~500 instructions); reading stats folds it in. */
+static void stats_fold(gqp_mw *self)
+{
+    long long k = self->n_requests;
+    if (!k || !self->stats || !PyDict_CheckExact(self->stats)) {
+        return;
+    }
+    self->n_requests = 0;
+    PyObject *old = PyDict_GetItemWithError(self->stats, str_requests);
+    long long n = old && PyLong_CheckExact(old) ? gqp_long_as_ll(old) : -1;
+    PyObject *next = n >= 0 ? PyLong_FromLongLong(n + k) : NULL;
+    if (next) {
+        PyDict_SetItem(self->stats, str_requests, next);
+        Py_DECREF(next);
+    }
+    err_clear();
 }
 
 /* The armed thread state, if this thread's engine is ready for the fast
@@ -647,7 +807,7 @@ static int internal_error(gqp_mw *mw, PyObject *where)
     if (!r && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
         return -1;   /* (raised while logging: a handler that waited) */
     }
-    PyErr_Clear();
+    err_clear();
     return 0;
 }
 
@@ -669,11 +829,17 @@ static PyObject *mw_call(gqp_mw *self, PyObject *args, PyObject *kwargs)
     if (self->routes && self->enabled && self->app &&
         PyDict_Check(environ)) {
         /* Counted by its route, unless an outer middleware counts it. */
+        if (light_ok(self)) {
+            if (!serving_here(environ)) {
+                return routes_call(self, environ, start_response);
+            }
+            return mw_serve(self, environ, start_response);
+        }
         PyObject *outer = PyDict_GetItemWithError(environ, str_mark_key);
         if (!outer && !PyErr_Occurred()) {
             return routes_call(self, environ, start_response);
         }
-        PyErr_Clear();
+        err_clear();
     }
     return mw_serve(self, environ, start_response);
 }
@@ -688,7 +854,8 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
     if (!self->enabled) {
         return call_app(self, environ, start_response);
     }
-    if (PyDict_Check(environ)) {
+    int light = PyDict_Check(environ) && light_ok(self);
+    if (PyDict_Check(environ) && !light) {
         /* Wrapped twice (Flask's app.wsgi_app plus a server hook that
          * wraps again): the outer middleware marks the request, the inner
          * one defers to it (and says so once, in Python).  Any dict is
@@ -709,26 +876,30 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
                     (PyObject *)self, str_defer, outer);
                 Py_DECREF(outer);
                 Py_XDECREF(r);
-                PyErr_Clear();
+                err_clear();
             }
             return call_app(self, environ, start_response);
         }
         if (!outer && (PyErr_Occurred() ||
                        PyDict_SetItem(environ, str_mark_key,
                                       (PyObject *)self) < 0)) {
-            PyErr_Clear();
+            err_clear();
         }
     }
     if (self->slow_only || !PyDict_CheckExact(environ)) {
-        return call_method2((PyObject *)self, str_call_slow, environ,
-                            start_response);
+        if (light) {
+            mark(self, environ);
+        }
+        return call_slow(self, environ, start_response);
     }
     if (self->trigger_key) {
         PyObject *v = PyDict_GetItemWithError(environ, self->trigger_key);
         if (v || PyErr_Occurred()) {
-            PyErr_Clear();
-            return call_method2((PyObject *)self, str_call_slow, environ,
-                                start_response);
+            err_clear();
+            if (light) {
+                mark(self, environ);
+            }
+            return call_slow(self, environ, start_response);
         }
     }
     gqp_py_thread *st = NULL;
@@ -738,8 +909,10 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         }
         /* This thread's engine is not ready: Python sets it up (and arms
          * this path for it). */
-        return call_method2((PyObject *)self, str_call_slow, environ,
-                            start_response);
+        if (light) {
+            mark(self, environ);
+        }
+        return call_slow(self, environ, start_response);
     }
     if (!self->blocking && gqp__tls && gqp__tls->open_profiles > 0 &&
         !armed_state(self)) {
@@ -748,8 +921,10 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
          * lingering, which Python ends (_begin) before what the greenlet
          * spawns goes to it.  (Before: it went there, when two threads
          * shared the middleware with blocking_ms=None.) */
-        return call_method2((PyObject *)self, str_call_slow, environ,
-                            start_response);
+        if (light) {
+            mark(self, environ);
+        }
+        return call_slow(self, environ, start_response);
     }
     int sampled = 0;
     if (self->pct >= 1.0) {
@@ -769,8 +944,11 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
          * engine): the armed state is looked up again. */
         st = self->blocking ? armed_state(self) : NULL;
     }
-    count_stat(self, str_requests);
+    self->n_requests++;   /* (folded into stats when read) */
     if (sampled) {
+        if (light) {
+            mark(self, environ);
+        }
         if (!st && !(st = armed(self)) && PyErr_Occurred()) {
             return NULL;
         }
@@ -786,14 +964,40 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
         }
     }
     if (st) {
-        note_unsampled(st, environ);
+        return serve_noted(self, st, environ, start_response);
     }
     return call_app(self, environ, start_response);
 }
 
+/* Runs the app for an unsampled request, noted (note_unsampled), its note
+ * saying meanwhile that environ is being served (serving_here). */
+static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
+                             PyObject *environ, PyObject *start_response)
+{
+    uint64_t gid = note_unsampled(st, environ);
+    gqp_note *n = gid && st->notes ? &st->notes[gid & (GQP_NOTES - 1)]
+                                   : NULL;
+    const void *prev = NULL;
+    if (n && n->gid == gid) {
+        prev = n->serving;
+        n->serving = environ;
+    }
+    PyObject *r = call_app(self, environ, start_response);
+    /* (the app may have stopped the engine, freeing st: looked up again;
+     * greenlet ids are never reused, so a slot of gid is this request's) */
+    st = n && gqp__tls == st ? st : NULL;
+    if (st && st->notes) {
+        n = &st->notes[gid & (GQP_NOTES - 1)];
+        if (n->gid == gid && n->serving == environ) {
+            n->serving = prev;
+        }
+    }
+    return r;
+}
+
 /* Notes the unsampled request the running greenlet begins (environ: an
  * exact dict). */
-static void note_unsampled(gqp_py_thread *st, PyObject *environ)
+static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ)
 {
     uint64_t gid = 0;
     if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
@@ -806,13 +1010,14 @@ static void note_unsampled(gqp_py_thread *st, PyObject *environ)
         Py_XINCREF(p);
         PyObject *r = PyDict_GetItemWithError(environ, str_rid_key);
         Py_XINCREF(r);
-        PyErr_Clear();
+        err_clear();
         note_set(st, gid, m, p, r);
         Py_XDECREF(m);
         Py_XDECREF(p);
         Py_XDECREF(r);
-        PyErr_Clear();
+        err_clear();
     }
+    return gid;
 }
 
 /* _lifecycle_setup(observers): whether observers hear of requests. */
@@ -999,7 +1204,33 @@ static int mw_set_enabled(gqp_mw *self, PyObject *value, void *closure)
     return 0;
 }
 
+static PyObject *mw_get_stats(gqp_mw *self, void *closure)
+{
+    (void)closure;
+    if (!self->stats) {
+        PyErr_SetString(PyExc_AttributeError, "stats");
+        return NULL;
+    }
+    stats_fold(self);
+    return Py_NewRef(self->stats);
+}
+
+static int mw_set_stats(gqp_mw *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "stats cannot be deleted");
+        return -1;
+    }
+    stats_fold(self);   /* (the old dict gets what it counted) */
+    Py_XSETREF(self->stats, Py_NewRef(value));
+    return 0;
+}
+
 static PyGetSetDef mw_getset[] = {
+    {"stats", (getter)mw_get_stats, (setter)mw_set_stats,
+     "Counters: requests, sampled, skipped_full, blocking, errors, "
+     "delivered, blocking_not_logged.", NULL},
     {"app", (getter)mw_get_app, (setter)mw_set_app,
      "The wrapped WSGI application.", NULL},
     {"enabled", (getter)mw_get_enabled, (setter)mw_set_enabled,
@@ -1054,7 +1285,7 @@ static PyTypeObject gqp_mw_type = {
     .tp_basicsize = sizeof(gqp_mw),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "ProfilingMiddleware's C part: the unsampled request path.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = mw_new,
     .tp_dealloc = (destructor)mw_dealloc,
     .tp_traverse = (traverseproc)mw_traverse,
     .tp_clear = (inquiry)mw_clear,
@@ -1091,7 +1322,8 @@ static int gqp_py_fast_init(PyObject *reg)
     if (gqp_py_sampled_init(reg) < 0 || gqp_py_routes_init(reg) < 0) {
         return -1;
     }
-    PyMethodDef *defs[] = {&note_def, &request_note_def};
+    PyMethodDef *defs[] = {&note_def, &request_note_def,
+                           &live_middlewares_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

@@ -48,6 +48,8 @@ typedef struct {
     int64_t t0;
     int status;
     char error, done;
+    char slow;            /* served by Python (_call_slow), which may say
+                             "not counted" (greqprof.no_route) */
 } gqp_rtw;
 
 static PyObject *str_rt_route_key, *str_rt_script, *str_rt_wzreq,
@@ -103,7 +105,7 @@ static void rt_record(gqp_rt *rt, PyObject *route, int status, int error,
 {
     rt_cell *c = rt_cell_of(rt, route);
     if (!c) {
-        PyErr_Clear();
+        err_clear();
         return;
     }
     c->requests++;
@@ -142,13 +144,13 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
         if (v && PyUnicode_CheckExact(v)) {
             Py_INCREF(v);
             if (PyDict_DelItem(rt->named, g) < 0) {
-                PyErr_Clear();
+                err_clear();
             }
             Py_DECREF(g);
             return v;
         }
         Py_XDECREF(g);
-        PyErr_Clear();
+        err_clear();
     }
     if (!PyDict_CheckExact(environ)) {
         goto python;
@@ -174,18 +176,18 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
         return Py_NewRef(v);
     }
     Py_INCREF(path);
-    PyErr_Clear();
+    err_clear();
     v = PyObject_CallOneArg(rt->namer, environ);
     if (v && PyUnicode_CheckExact(v) &&
         PyDict_GET_SIZE(rt->cache) < RT_CACHE_MAX &&
         PyUnicode_GET_LENGTH(path) <= RT_CACHE_PATH &&
         PyDict_SetItem(rt->cache, path, v) < 0) {
-        PyErr_Clear();
+        err_clear();
     }
     Py_DECREF(path);
     goto checked;
 python:
-    PyErr_Clear();
+    err_clear();
     v = PyObject_CallOneArg(rt->namer, environ);
 checked:
     if (v && PyUnicode_Check(v) && !PyUnicode_CheckExact(v)) {
@@ -195,7 +197,7 @@ checked:
     if (!v || !PyUnicode_Check(v)) {
         rt->namer_errors++;
         Py_XDECREF(v);
-        PyErr_Clear();
+        err_clear();
         return NULL;
     }
     return v;
@@ -416,9 +418,9 @@ static int rtw_finish(gqp_rtw *w, int close)
     w->done = 1;
     PyObject *exc = PyErr_GetRaisedException();
     PyObject *route = NULL;
-    int skip = w->environ && PyDict_Check(w->environ) &&
+    int skip = w->slow && w->environ && PyDict_Check(w->environ) &&
                PyDict_GetItemWithError(w->environ, str_rt_skip);
-    PyErr_Clear();
+    err_clear();
     if (!skip && w->rt && w->environ) {
         route = rt_name(w->rt, w->environ);
     }
@@ -434,7 +436,7 @@ static int rtw_finish(gqp_rtw *w, int close)
     if (close && res && !PyList_CheckExact(res) && !PyTuple_CheckExact(res)) {
         PyObject *fn = PyObject_GetAttr(res, str_close);
         if (!fn && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
+            err_clear();
         } else if (!fn) {
             failed = 1;
         } else {
@@ -530,7 +532,7 @@ static void rtw_finalize(gqp_rtw *w)
      * itself, if it does, when it is freed). */
     PyObject *exc = PyErr_GetRaisedException();
     if (rtw_finish(w, 0) < 0) {
-        PyErr_Clear();
+        err_clear();
     }
     PyErr_SetRaisedException(exc);
 }
@@ -624,7 +626,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
             Py_DECREF(app);
             return r;
         }
-        PyErr_Clear();
+        err_clear();
     }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
     if (!w) {
@@ -635,7 +637,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     w->start_response = Py_NewRef(start_response);
     w->result = w->it = NULL;
     w->status = 0;
-    w->error = w->done = 0;
+    w->error = w->done = w->slow = 0;
     w->t0 = rt_now();
     PyObject_GC_Track(w);
     PyObject *result = mw_serve(mw, environ, (PyObject *)w);
@@ -647,7 +649,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     }
     PyObject *fw = PyList_CheckExact(result) || PyTuple_CheckExact(result)
         ? NULL : PyDict_GetItemWithError(environ, str_rt_file_wrapper);
-    PyErr_Clear();
+    err_clear();
     if (!fw && (PyList_CheckExact(result) || PyTuple_CheckExact(result))) {
         rtw_finish(w, 0);   /* (its end: nothing more runs app code) */
         Py_DECREF(w);
@@ -673,6 +675,17 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     return (PyObject *)w;
 }
 
+/* mw_serve hands the request to Python: if start_response is a route
+ * wrapper, its end looks for greqprof.no_route (the inspector's
+ * requests are not counted). */
+static void routes_slow(PyObject *start_response)
+{
+    if (Py_IS_TYPE(start_response, &gqp_rtw_iter_type) ||
+        Py_IS_TYPE(start_response, &gqp_rtw_seq_type)) {
+        ((gqp_rtw *)start_response)->slow = 1;
+    }
+}
+
 /* _routes_setup(counts): counts every request it owns in that
  * RouteCounts (None: off). */
 static PyObject *mw_routes_setup(gqp_mw *self, PyObject *arg)
@@ -696,7 +709,7 @@ static void routes_sampled(gqp_mw *mw, gqp_req *req, PyObject *profile)
     PyObject *r = PyObject_CallMethodObjArgs((PyObject *)mw, str_rt_sampled,
                                              req->route, profile, NULL);
     Py_XDECREF(r);
-    PyErr_Clear();
+    err_clear();
 }
 
 static int gqp_py_routes_init(PyObject *reg)

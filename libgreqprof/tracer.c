@@ -125,6 +125,10 @@ struct gqp_tracer {
      * default or session profile), nobody's waiting time is being
      * measured: spans go to no profile and skip the history. */
     size_t attached;
+    /* Greenlets with a spawn profile, and tombs that hold a profile: with
+     * attached, whether a new greenlet could inherit anything
+     * (gqp_tracer_can_inherit). */
+    size_t spawns, tombed;
     hist_entry *hist;
     size_t hist_cap, hist_len, hist_head;
     uint64_t hist_overwritten_end; /* end of the newest entry overwritten */
@@ -203,8 +207,9 @@ static void set_profile(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p)
     g->profile = p;
 }
 
-static void set_spawn(gqp__greenlet *g, gqp_profile *p)
+static void set_spawn(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p)
 {
+    t->spawns += (p != NULL) - (g->spawn != NULL);
     if (p) {
         gqp_profile_retain(p);
     }
@@ -227,7 +232,7 @@ static void greenlet_release(gqp_tracer *t, gqp__greenlet *g)
 {
     shadow_free(g);
     set_profile(t, g, NULL);
-    set_spawn(g, NULL);
+    set_spawn(t, g, NULL);
     gqp__free(g->stack);
     gqp__map_free(&g->rec);
     gqp__free(g);
@@ -512,6 +517,9 @@ static void tomb_clear(gqp_tracer *t, size_t i)
             gqp__map_del(&t->tmap, tb->key);
         }
     }
+    if (tb->profile) {
+        t->tombed--;
+    }
     gqp_profile_free(tb->profile);
     tb->key = 0;
     tb->profile = NULL;
@@ -629,6 +637,7 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
             gqp_profile_retain(heir);
             t->tombs[i].key = g->key;
             t->tombs[i].profile = heir;
+            t->tombed++;
         }
     }
     gqp__map_del(&t->gmap, g->key);
@@ -637,7 +646,7 @@ static void destroy(gqp_tracer *t, gqp__greenlet *g)
     }
     shadow_free(g);
     set_profile(t, g, NULL);
-    set_spawn(g, NULL);
+    set_spawn(t, g, NULL);
     gqp__free(g->stack);
     gqp__map_free(&g->rec);
     if (t->pool_len < FREE_POOL_MAX) {
@@ -1258,7 +1267,7 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
     }
     shadow_reset(g, t->session);
     set_profile(t, g, p);
-    set_spawn(g, NULL);
+    set_spawn(t, g, NULL);
     gqp_profile *eff = effective(t, g);
     reset_stack(g, eff ? eff->generation : 0);
     return ev & GQP_EV_LONG_SPAN;
@@ -1300,6 +1309,14 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
     return rc;
 }
 
+GQP_API int gqp_tracer_can_inherit(const gqp_tracer *t)
+{
+    if (!tracer_live(t)) {
+        return GQP_EHANDLE;
+    }
+    return t->attached || t->spawns || t->tombed;
+}
+
 GQP_API int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
                                          gqp_profile *p)
 {
@@ -1314,7 +1331,7 @@ GQP_API int gqp_tracer_set_spawn_profile(gqp_tracer *t, uint64_t greenlet,
     if (!g) {
         return GQP_ENOTFOUND;
     }
-    set_spawn(g, p);
+    set_spawn(t, g, p);
     return GQP_OK;
 }
 

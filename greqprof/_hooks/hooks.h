@@ -29,6 +29,7 @@ typedef struct gqp_py_thread {
     int calls_on;              /* wanted (gqp_py_calls): while a greenlet
                                   of a profile runs (calls.c, calls_follow) */
     uint64_t hub_key;          /* this thread's gevent hub, once seen */
+    uint64_t hub_parent_key;   /* its parent then (where it goes dead) */
     uint64_t ctx_ver;          /* the thread's context_ver after our last
                                 * switch: greenlet bumps it at every switch,
                                 * so a change means one we did not see */
@@ -59,6 +60,16 @@ typedef struct gqp_py_thread {
  * get their state from their `self`/`obj` argument (a hookref), which is
  * cheaper than a thread-local in a shared object. */
 static _Thread_local gqp_py_thread *gqp__tls;
+
+/* PyErr_Clear when an exception is set: the hot paths clear after lookups
+ * that seldom fail, and PyErr_Clear with nothing set still costs a call
+ * chain (~25 instructions, a dozen times per request). */
+static inline void err_clear(void)
+{
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+    }
+}
 
 typedef struct {
     PyObject_HEAD

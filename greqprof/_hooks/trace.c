@@ -12,14 +12,14 @@ static int is_hub(PyObject *g)
     if (!hub_type) {
         PyObject *mod = PyImport_GetModule(hub_module_name);
         if (!mod) {
-            PyErr_Clear();
+            err_clear();
             return 0;
         }
         PyObject *t = PyObject_GetAttrString(mod, "Hub");
         Py_DECREF(mod);
         if (!t || !PyType_Check(t)) {
             Py_XDECREF(t);
-            PyErr_Clear();
+            err_clear();
             return 0;
         }
         hub_type = (PyTypeObject *)t; /* kept for the process's life */
@@ -31,21 +31,31 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 {
     uint64_t key = (uint64_t)(uintptr_t)target;
     if (st->inherit) {
-        /* gevent records who spawned a Greenlet (a weak reference). */
-        PyObject *ref = PyObject_GetAttr(target, spawning_str);
-        PyErr_Clear();
-        PyObject *parent = NULL;
-        if (ref && PyWeakref_Check(ref) &&
-            PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
-            uint64_t pkey = (uint64_t)(uintptr_t)parent;
-            gqp_tracer_inherit(st->tracer, key, pkey);
+        /* gevent records who spawned a Greenlet (a weak reference); only
+         * asked when some greenlet has a profile to pass on (not on the
+         * unsampled requests' path). */
+        if (gqp_tracer_can_inherit(st->tracer) > 0) {
+            PyObject *ref = PyObject_GetAttr(target, spawning_str);
+            err_clear();
+            PyObject *parent = NULL;
+            if (ref && PyWeakref_Check(ref) &&
+                PyWeakref_GetRef(ref, &parent) > 0 && st_live(st)) {
+                uint64_t pkey = (uint64_t)(uintptr_t)parent;
+                gqp_tracer_inherit(st->tracer, key, pkey);
+            }
+            Py_XDECREF(parent);
+            Py_XDECREF(ref);
+            err_clear();
         }
-        Py_XDECREF(parent);
-        Py_XDECREF(ref);
-        PyErr_Clear();
         run_remember(st, target, key);
         if (!st->hub_key && is_hub(target) && st_live(st)) {
             st->hub_key = key;
+            PyObject *parent = parent_getter.get ? getter_call(&parent_getter,
+                                                               target)
+                                                 : NULL;
+            err_clear();
+            st->hub_parent_key = (uint64_t)(uintptr_t)parent;
+            Py_XDECREF(parent);   /* (the main greenlet: it stays) */
             /* (told once, from this thread: the watchdog reads ids, never
              * this thread's state) */
             uint64_t hid = 0;
@@ -57,7 +67,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
             }
             Py_XDECREF(k);
             Py_XDECREF(v);
-            PyErr_Clear();
+            err_clear();
         }
     }
     uint64_t id = 0;
@@ -94,7 +104,12 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
     if (st->active) {
         PyObject *origin = PyTuple_GET_ITEM(pair, 0);
         PyObject *target = PyTuple_GET_ITEM(pair, 1);
-        int dead = is_dead(origin);
+        /* The hub leaves alive except to its parent (where a dead
+         * greenlet goes): most switches skip asking. */
+        uint64_t okey = (uint64_t)(uintptr_t)origin;
+        int dead = okey == st->hub_key && st->hub_parent_key &&
+                   (uint64_t)(uintptr_t)target != st->hub_parent_key
+                   ? 0 : is_dead(origin);
         uint64_t dead_id = 0;
         if (dead) {
             gqp_tracer_greenlet_id(st->tracer, (uint64_t)(uintptr_t)origin,

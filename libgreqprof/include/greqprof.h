@@ -442,6 +442,11 @@ GQP_API int gqp_tracer_attach(gqp_tracer *t, uint64_t greenlet,
  * remembered by key until the key is seen alive again (the caller must only
  * pass a parent object that still exists, so its key is not reused). */
 GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent);
+/* 1 when gqp_tracer_inherit could give a child a profile now (a greenlet
+ * is attached to one or has a spawn profile, or a remembered dead one
+ * had one), else 0 (inherit would leave the child in no profile: a
+ * caller may skip finding its parent); GQP_EHANDLE for a bad tracer. */
+GQP_API int gqp_tracer_can_inherit(const gqp_tracer *t);
 /* Sets the profile that greenlets spawned by `greenlet` inherit, apart from
  * where its own spans go (NULL: the same as its profile).  Lets a request's
  * children started after the request greenlet was detached still join the

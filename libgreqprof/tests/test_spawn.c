@@ -284,3 +284,46 @@ TEST(greenlet_profile_reads_the_attachment)
     gqp_profile_free(p);
     gqp_profile_free(q);
 }
+
+/* gqp_tracer_can_inherit: 1 exactly while some greenlet is attached, has a
+ * spawn profile, or a remembered dead one had a profile. */
+TEST(can_inherit_follows_what_could_be_inherited)
+{
+    fake_clock c;
+    gqp_profile *p = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_OFF, GQP_CLOCK_WALL);
+    ASSERT_RC(gqp_tracer_can_inherit(NULL), GQP_EHANDLE);
+    ASSERT_RC(gqp_tracer_can_inherit(t), 0);
+    EV(gqp_tracer_switch(t, 0, KG, 0));
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 0);
+    /* attached */
+    ASSERT_OK(gqp_tracer_attach(t, KG, p));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 1);
+    ASSERT_OK(gqp_tracer_attach(t, KG, NULL));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 0);
+    /* a spawn profile */
+    ASSERT_OK(gqp_tracer_set_spawn_profile(t, KG, p));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 1);
+    ASSERT_OK(gqp_tracer_set_spawn_profile(t, KG, NULL));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 0);
+    /* a dead greenlet that had one, until its key lives again */
+    ASSERT_OK(gqp_tracer_attach(t, KH, p));
+    EV(gqp_tracer_switch(t, KH, KG, GQP_SWITCH_FROM_DEAD));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 1);
+    ASSERT_OK(gqp_tracer_inherit(t, KI, KH));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 1);   /* (KI is attached now) */
+    EV(gqp_tracer_switch(t, KG, KI, 0));
+    EV(gqp_tracer_switch(t, KI, KG, GQP_SWITCH_FROM_DEAD));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 1);   /* (two tombs) */
+    EV(gqp_tracer_switch(t, KG, KH, 0));       /* KH lives again */
+    EV(gqp_tracer_switch(t, KH, KI, 0));       /* and KI */
+    ASSERT_RC(gqp_tracer_can_inherit(t), 0);
+    /* a greenlet with a spawn profile dying, then forgotten */
+    ASSERT_OK(gqp_tracer_set_spawn_profile(t, KI, p));
+    EV(gqp_tracer_switch(t, KI, KG, GQP_SWITCH_FROM_DEAD));
+    ASSERT_RC(gqp_tracer_can_inherit(t), 1);   /* (its tomb) */
+    gqp_tracer_free(t);
+    gqp_profile_free(p);
+}
