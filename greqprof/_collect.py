@@ -116,8 +116,10 @@ def greenlet_stats(raw_profiles, raw_greenlets=None, names=None):
     return out
 
 
-def func_stats(raw_profiles):
-    """Merges the function tables of several profiles by key."""
+def func_stats(raw_profiles, skip_dir=None):
+    """Merges the function tables of several profiles by key; functions
+    whose file is under ``skip_dir`` get no entry of their own (they stay
+    their callers' children)."""
     funcs = {}
     for rp in raw_profiles:
         for key, ncall, nact, ttot, tsub in rp.funcs():
@@ -135,6 +137,9 @@ def func_stats(raw_profiles):
             e[2] += ttot
             e[3] += tsub
     infos = {key: _func_info(key) for key in funcs}
+    if skip_dir is not None:
+        funcs = {key: f for key, f in funcs.items()
+                 if not infos[key][3].startswith(skip_dir)}
     children = {}
     for (caller, callee), (ncall, nact, ttot, tsub) in edges.items():
         info = infos.get(callee) or _func_info(callee)
@@ -156,9 +161,25 @@ def func_stats(raw_profiles):
     return out
 
 
+#: function key -> (the code registry's object, its cleaned info): a
+#: sampled request with calls=True names the same functions as the last
+#: one, so each is looked up and cleaned once (bounded: emptied when full)
+_info_cache = {}
+INFO_CACHE_MAX = 8192
+
+
 def _func_info(key):
+    obj = _registry.codes.get(key)
+    hit = _info_cache.get(key)
+    if hit is not None and hit[0] is obj and obj is not None:
+        return hit[1]   # (the same code object: a key reused is missed)
     name, qual, module, filename, lineno = func_info(key)
-    return (clean(name), clean(qual), clean(module), clean(filename), lineno)
+    info = (clean(name), clean(qual), clean(module), clean(filename), lineno)
+    if obj is not None:
+        if len(_info_cache) >= INFO_CACHE_MAX:
+            _info_cache.clear()
+        _info_cache[key] = (obj, info)
+    return info
 
 
 #: rows of read_profile's bytes (_hooks.c): a gqp_span, and

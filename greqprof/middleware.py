@@ -450,8 +450,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def _calls_of(req):
         # greqprof's own frames (the middleware around the app) are
         # profiling overhead, not the app's time.
-        return [f for f in _collect.func_stats([req.profile])
-                if not f.filename.startswith(blocking.OWN_DIR)]
+        return _collect.func_stats([req.profile], skip_dir=blocking.OWN_DIR)
 
     def _stop_lingering(self, eng, g):
         """g starts a new request while its previous sampled request still

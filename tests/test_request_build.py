@@ -55,3 +55,43 @@ def test_a_snapshot_leaves_the_stacks_to_the_final_profile(serve):
     assert [sp.stack for sp in snapshots[0].spans if sp.stack] == \
         [sp.stack for sp in stacked]
     assert stacked[0].stack not in _registry.stacks.values()
+
+
+def test_function_names_follow_the_code_registry(monkeypatch):
+    """The cleaned names of a function key are kept from one sampled
+    request to the next, but only while the code registry holds the same
+    object under that key: a key given to another function names that
+    one."""
+    from greqprof import _collect
+
+    def first():
+        pass
+
+    def second():
+        pass
+
+    key = 0x5A5A5A
+    monkeypatch.setitem(_registry.codes, key, first.__code__)
+    assert _collect._func_info(key)[0] == "first"
+    assert _collect._func_info(key)[0] == "first"
+    monkeypatch.setitem(_registry.codes, key, second.__code__)
+    assert _collect._func_info(key)[0] == "second"
+    monkeypatch.delitem(_registry.codes, key)
+    assert _collect._func_info(key)[0] == "<unknown>"
+
+
+def test_own_frames_get_no_entry_of_their_own_in_a_calls_profile(serve):
+    def work():
+        return sum(range(10))
+
+    def app(environ, start_response):
+        work()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, calls=True, linger=0)
+    assert s.get("/calls").status == 200
+    p = s.profile_for("/calls")
+    names = {f.name for f in p.calls}
+    assert "work" in names
+    assert not [f for f in p.calls if "/greqprof/" in f.filename
+                and "/tests/" not in f.filename]
