@@ -135,9 +135,18 @@ def render_calls(calls, limit=25):
              % ("ncalls", "primitive", "inclusive", "exclusive", "per call",
                 "function")]
     for f in calls[:limit]:
+        qual, filename = f.qualname, f.filename
+        # (names from greqprof's records are clean already: safe() only
+        # for the rest, the profiles built by hand)
+        if not (type(qual) is str and len(qual) <= 200 and
+                qual.isprintable()):
+            qual = safe(qual, 200)
+        if not (type(filename) is str and len(filename) <= 300 and
+                filename.isprintable()):
+            filename = safe(filename, 300)
         lines.append("  %9d %9d %11s %11s %11s  %s (%s:%d)" % (
             f.ncall, f.nactualcall, _ms(f.ttot), _ms(f.tsub), _ms(f.tavg),
-            safe(f.qualname, 200), safe(f.filename, 300), f.lineno))
+            qual, filename, f.lineno))
     return "\n".join(lines)
 
 
