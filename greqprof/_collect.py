@@ -282,7 +282,25 @@ def route_numbers(raw):
     if len(raw) > 13:
         records, stats = raw[13][0], raw[13][1]
         for rec, row in zip(records, WAIT_SITE_ROW.iter_unpack(stats)):
-            _code, fn, filename, line, _stack = rec or (None, "?", "", 0,
-                                                        ())
-            sites.append(("%s (%s:%d)" % (fn, filename, line), row[1] * NS))
+            sites.append((_site_text(rec), row[1] * NS))
     return (cpu * NS if seen else None), raw[4] * NS, sites
+
+
+#: id of a wait site's record (the registry's tuple, the same object from
+#: one sampled request to the next; kept here, so its id is not reused)
+#: -> (record, its "fn (file:line)" text); bounded.  (Not keyed by the
+#: record itself: a code object's hash reads its whole contents.)
+_site_texts = {}
+
+
+def _site_text(rec):
+    if rec is None:
+        return "? (:0)"   # (a record the registry dropped)
+    hit = _site_texts.get(id(rec))
+    if hit is not None and hit[0] is rec:
+        return hit[1]
+    if len(_site_texts) >= 4096:
+        _site_texts.clear()
+    text = "%s (%s:%d)" % (rec[1], rec[2], rec[3])
+    _site_texts[id(rec)] = (rec, text)
+    return text

@@ -600,9 +600,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 cpu, waiting = profile.cpu, profile.waiting.seconds
                 waits = [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
                           w.seconds) for w in profile.waits]
+            blocking = profile.blocking
             self._routes.add_sampled(
-                route, cpu, waiting, len(profile.blocking),
-                sum(ev.wall for ev in profile.blocking), waits)
+                route, cpu, waiting, len(blocking),
+                sum(ev.wall for ev in blocking) if blocking else 0.0, waits)
         except Exception as e:
             self._internal_error("routes", e)
 

@@ -95,3 +95,24 @@ def test_own_frames_get_no_entry_of_their_own_in_a_calls_profile(serve):
     assert "work" in names
     assert not [f for f in p.calls if "/greqprof/" in f.filename
                 and "/tests/" not in f.filename]
+
+
+def test_route_numbers_name_each_wait_site_by_its_own_record():
+    """route_numbers keeps the text of a wait site per record object: a
+    new record (another site) is named after itself, a dropped one "?"."""
+    from greqprof import _collect
+
+    def raw_with(records):
+        stats = b"".join(_collect.WAIT_SITE_ROW.pack(i, 1000, 1, 1, 0, 0)
+                         for i in range(len(records)))
+        greenlets = _collect.GREENLET_ROW.pack(1, 5, 2000, 1, 0, 0, 1)
+        return (b"", greenlets, None, 0, 3000, (), 1, 0, 0, 0, 0, {}, {},
+                (records, stats, 0, b"", 0))
+
+    a = (None, "f", "a.py", 3, ())
+    cpu, waiting, sites = _collect.route_numbers(raw_with([a, None]))
+    assert (round(cpu * 1e9), round(waiting * 1e9)) == (2000, 3000)
+    assert [s for s, _ in sites] == ["f (a.py:3)", "? (:0)"]
+    assert _collect.route_numbers(raw_with([a]))[2][0][0] == "f (a.py:3)"
+    b = (None, "g", "b.py", 7, ())
+    assert _collect.route_numbers(raw_with([b]))[2][0][0] == "g (b.py:7)"
