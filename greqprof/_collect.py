@@ -143,22 +143,35 @@ def func_stats(raw_profiles, skip_dir=None):
     children = {}
     for (caller, callee), (ncall, nact, ttot, tsub) in edges.items():
         info = infos.get(callee) or _func_info(callee)
-        children.setdefault(caller, []).append(ChildStat(
-            name=info[0], qualname=info[1], module=info[2], lineno=info[4],
-            ncall=ncall, nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
-            filename=info[3]))
+        children.setdefault(caller, []).append(_frozen(ChildStat, {
+            "name": info[0], "qualname": info[1], "module": info[2],
+            "lineno": info[4], "ncall": ncall, "nactualcall": nact,
+            "ttot": ttot * NS, "tsub": tsub * NS, "filename": info[3]}))
     out = []
     for key, (ncall, nact, ttot, tsub) in funcs.items():
         if ncall == 0:
             continue  # entered but not returned yet
         name, qual, module, filename, lineno = infos[key]
-        kids = sorted(children.get(key, ()), key=lambda c: -c.ttot)
-        out.append(FuncStat(name=name, qualname=qual, module=module,
-                            filename=filename, lineno=lineno, ncall=ncall,
-                            nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
-                            children=tuple(kids)))
+        kids = children.get(key, ())
+        if len(kids) > 1:
+            kids.sort(key=lambda c: -c.ttot)
+        out.append(_frozen(FuncStat, {
+            "name": name, "qualname": qual, "module": module,
+            "filename": filename, "lineno": lineno, "ncall": ncall,
+            "nactualcall": nact, "ttot": ttot * NS, "tsub": tsub * NS,
+            "children": tuple(kids)}))
     out.sort(key=lambda f: -f.ttot)
     return out
+
+
+def _frozen(cls, fields):
+    """cls(**fields) for a frozen dataclass without __post_init__, every
+    field given: its generated __init__ makes one object.__setattr__ call
+    per field, and a calls=True profile builds one record per function
+    and per edge."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 #: function key -> (the code registry's object, its cleaned info): a

@@ -93,6 +93,15 @@ def test_own_frames_get_no_entry_of_their_own_in_a_calls_profile(serve):
     p = s.profile_for("/calls")
     names = {f.name for f in p.calls}
     assert "work" in names
+    # (records built without their __init__: every field there, as the
+    # constructor would have made them)
+    import dataclasses
+    for rec in p.calls + [c for f in p.calls for c in f.children]:
+        kw = {fld.name: getattr(rec, fld.name)
+              for fld in dataclasses.fields(rec)}
+        assert set(vars(rec)) == set(kw)
+        assert rec == type(rec)(**kw) and hash(rec) == hash(type(rec)(**kw))
+    assert any(f.children for f in p.calls)
     assert not [f for f in p.calls if "/greqprof/" in f.filename
                 and "/tests/" not in f.filename]
 
