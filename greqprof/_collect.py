@@ -120,22 +120,13 @@ def func_stats(raw_profiles, skip_dir=None):
     """Merges the function tables of several profiles by key; functions
     whose file is under ``skip_dir`` get no entry of their own (they stay
     their callers' children)."""
-    funcs = {}
-    for rp in raw_profiles:
-        for key, ncall, nact, ttot, tsub in rp.funcs():
-            f = funcs.setdefault(key, [0, 0, 0, 0])
-            f[0] += ncall
-            f[1] += nact
-            f[2] += ttot
-            f[3] += tsub
-    edges = {}
-    for rp in raw_profiles:
-        for caller, callee, ncall, nact, ttot, tsub in rp.edges():
-            e = edges.setdefault((caller, callee), [0, 0, 0, 0])
-            e[0] += ncall
-            e[1] += nact
-            e[2] += ttot
-            e[3] += tsub
+    if len(raw_profiles) == 1:
+        # (a request's profile: its rows have distinct keys already)
+        rp = raw_profiles[0]
+        funcs = {row[0]: row[1:] for row in rp.funcs()}
+        edges = {row[:2]: row[2:] for row in rp.edges()}
+    else:
+        funcs, edges = _merged(raw_profiles)
     infos = {key: _func_info(key) for key in funcs}
     if skip_dir is not None:
         funcs = {key: f for key, f in funcs.items()
@@ -162,6 +153,27 @@ def func_stats(raw_profiles, skip_dir=None):
             "children": tuple(kids)}))
     out.sort(key=lambda f: -f.ttot)
     return out
+
+
+def _merged(raw_profiles):
+    """The function and edge rows of several profiles, summed by key."""
+    funcs = {}
+    for rp in raw_profiles:
+        for key, ncall, nact, ttot, tsub in rp.funcs():
+            f = funcs.setdefault(key, [0, 0, 0, 0])
+            f[0] += ncall
+            f[1] += nact
+            f[2] += ttot
+            f[3] += tsub
+    edges = {}
+    for rp in raw_profiles:
+        for caller, callee, ncall, nact, ttot, tsub in rp.edges():
+            e = edges.setdefault((caller, callee), [0, 0, 0, 0])
+            e[0] += ncall
+            e[1] += nact
+            e[2] += ttot
+            e[3] += tsub
+    return funcs, edges
 
 
 def _frozen(cls, fields):
