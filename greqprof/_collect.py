@@ -120,6 +120,7 @@ def func_stats(raw_profiles, skip_dir=None):
     """Merges the function tables of several profiles by key; functions
     whose file is under ``skip_dir`` get no entry of their own (they stay
     their callers' children)."""
+    raw_profiles = list(raw_profiles)
     if len(raw_profiles) == 1:
         # (a request's profile: its rows have distinct keys already)
         rp = raw_profiles[0]
