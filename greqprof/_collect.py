@@ -116,8 +116,48 @@ def greenlet_stats(raw_profiles, raw_greenlets=None, names=None):
     return out
 
 
-def func_stats(raw_profiles):
-    """Merges the function tables of several profiles by key."""
+def func_stats(raw_profiles, skip_dir=None):
+    """Merges the function tables of several profiles by key; functions
+    whose file is under ``skip_dir`` get no entry of their own (they stay
+    their callers' children)."""
+    raw_profiles = list(raw_profiles)
+    if len(raw_profiles) == 1:
+        # (a request's profile: its rows have distinct keys already)
+        rp = raw_profiles[0]
+        funcs = {row[0]: row[1:] for row in rp.funcs()}
+        edges = {row[:2]: row[2:] for row in rp.edges()}
+    else:
+        funcs, edges = _merged(raw_profiles)
+    infos = {key: _func_info(key) for key in funcs}
+    if skip_dir is not None:
+        funcs = {key: f for key, f in funcs.items()
+                 if not infos[key][3].startswith(skip_dir)}
+    children = {}
+    for (caller, callee), (ncall, nact, ttot, tsub) in edges.items():
+        info = infos.get(callee) or _func_info(callee)
+        children.setdefault(caller, []).append(_frozen(ChildStat, {
+            "name": info[0], "qualname": info[1], "module": info[2],
+            "lineno": info[4], "ncall": ncall, "nactualcall": nact,
+            "ttot": ttot * NS, "tsub": tsub * NS, "filename": info[3]}))
+    out = []
+    for key, (ncall, nact, ttot, tsub) in funcs.items():
+        if ncall == 0:
+            continue  # entered but not returned yet
+        name, qual, module, filename, lineno = infos[key]
+        kids = children.get(key, ())
+        if len(kids) > 1:
+            kids.sort(key=lambda c: -c.ttot)
+        out.append(_frozen(FuncStat, {
+            "name": name, "qualname": qual, "module": module,
+            "filename": filename, "lineno": lineno, "ncall": ncall,
+            "nactualcall": nact, "ttot": ttot * NS, "tsub": tsub * NS,
+            "children": tuple(kids)}))
+    out.sort(key=lambda f: -f.ttot)
+    return out
+
+
+def _merged(raw_profiles):
+    """The function and edge rows of several profiles, summed by key."""
     funcs = {}
     for rp in raw_profiles:
         for key, ncall, nact, ttot, tsub in rp.funcs():
@@ -134,31 +174,38 @@ def func_stats(raw_profiles):
             e[1] += nact
             e[2] += ttot
             e[3] += tsub
-    infos = {key: _func_info(key) for key in funcs}
-    children = {}
-    for (caller, callee), (ncall, nact, ttot, tsub) in edges.items():
-        info = infos.get(callee) or _func_info(callee)
-        children.setdefault(caller, []).append(ChildStat(
-            name=info[0], qualname=info[1], module=info[2], lineno=info[4],
-            ncall=ncall, nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
-            filename=info[3]))
-    out = []
-    for key, (ncall, nact, ttot, tsub) in funcs.items():
-        if ncall == 0:
-            continue  # entered but not returned yet
-        name, qual, module, filename, lineno = infos[key]
-        kids = sorted(children.get(key, ()), key=lambda c: -c.ttot)
-        out.append(FuncStat(name=name, qualname=qual, module=module,
-                            filename=filename, lineno=lineno, ncall=ncall,
-                            nactualcall=nact, ttot=ttot * NS, tsub=tsub * NS,
-                            children=tuple(kids)))
-    out.sort(key=lambda f: -f.ttot)
-    return out
+    return funcs, edges
+
+
+def _frozen(cls, fields):
+    """cls(**fields) for a frozen dataclass without __post_init__, every
+    field given: its generated __init__ makes one object.__setattr__ call
+    per field, and a calls=True profile builds one record per function
+    and per edge."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+#: function key -> (the code registry's object, its cleaned info): a
+#: sampled request with calls=True names the same functions as the last
+#: one, so each is looked up and cleaned once (bounded: emptied when full)
+_info_cache = {}
+INFO_CACHE_MAX = 8192
 
 
 def _func_info(key):
+    obj = _registry.codes.get(key)
+    hit = _info_cache.get(key)
+    if hit is not None and hit[0] is obj and obj is not None:
+        return hit[1]   # (the same code object: a key reused is missed)
     name, qual, module, filename, lineno = func_info(key)
-    return (clean(name), clean(qual), clean(module), clean(filename), lineno)
+    info = (clean(name), clean(qual), clean(module), clean(filename), lineno)
+    if obj is not None:
+        if len(_info_cache) >= INFO_CACHE_MAX:
+            _info_cache.clear()
+        _info_cache[key] = (obj, info)
+    return info
 
 
 #: rows of read_profile's bytes (_hooks.c): a gqp_span, and
@@ -261,7 +308,25 @@ def route_numbers(raw):
     if len(raw) > 13:
         records, stats = raw[13][0], raw[13][1]
         for rec, row in zip(records, WAIT_SITE_ROW.iter_unpack(stats)):
-            _code, fn, filename, line, _stack = rec or (None, "?", "", 0,
-                                                        ())
-            sites.append(("%s (%s:%d)" % (fn, filename, line), row[1] * NS))
+            sites.append((_site_text(rec), row[1] * NS))
     return (cpu * NS if seen else None), raw[4] * NS, sites
+
+
+#: id of a wait site's record (the registry's tuple, the same object from
+#: one sampled request to the next; kept here, so its id is not reused)
+#: -> (record, its "fn (file:line)" text); bounded.  (Not keyed by the
+#: record itself: a code object's hash reads its whole contents.)
+_site_texts = {}
+
+
+def _site_text(rec):
+    if rec is None:
+        return "? (:0)"   # (a record the registry dropped)
+    hit = _site_texts.get(id(rec))
+    if hit is not None and hit[0] is rec:
+        return hit[1]
+    if len(_site_texts) >= 4096:
+        _site_texts.clear()
+    text = "%s (%s:%d)" % (rec[1], rec[2], rec[3])
+    _site_texts[id(rec)] = (rec, text)
+    return text

@@ -452,8 +452,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
     def _calls_of(req):
         # greqprof's own frames (the middleware around the app) are
         # profiling overhead, not the app's time.
-        return [f for f in _collect.func_stats([req.profile])
-                if not f.filename.startswith(blocking.OWN_DIR)]
+        return _collect.func_stats([req.profile], skip_dir=blocking.OWN_DIR)
 
     def _stop_lingering(self, eng, g):
         """g starts a new request while its previous sampled request still
@@ -609,9 +608,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 cpu, waiting = profile.cpu, profile.waiting.seconds
                 waits = [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
                           w.seconds) for w in profile.waits]
+            blocking = profile.blocking
             self._routes.add_sampled(
-                route, cpu, waiting, len(profile.blocking),
-                sum(ev.wall for ev in profile.blocking), waits)
+                route, cpu, waiting, len(blocking),
+                sum(ev.wall for ev in blocking) if blocking else 0.0, waits)
         except Exception as e:
             self._internal_error("routes", e)
 

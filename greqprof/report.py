@@ -128,6 +128,9 @@ def _span_line(gid, name, fn, start, end, wall, cpu, finished, stack,
                     "\n" + _indent_stack(stack))
 
 
+_CALL_ROW = "  %9d %9d %8.1f ms %8.1f ms %8.1f ms  %s (%s:%d)"
+
+
 def render_calls(calls, limit=25):
     lines = ["Functions (by inclusive time, top %d of %d):"
              % (min(limit, len(calls)), len(calls)),
@@ -135,9 +138,26 @@ def render_calls(calls, limit=25):
              % ("ncalls", "primitive", "inclusive", "exclusive", "per call",
                 "function")]
     for f in calls[:limit]:
+        qual, filename = f.qualname, f.filename
+        # (names from greqprof's records are clean already: safe() only
+        # for the rest, the profiles built by hand)
+        if not (type(qual) is str and len(qual) <= 200 and
+                qual.isprintable()):
+            qual = safe(qual, 200)
+        if not (type(filename) is str and len(filename) <= 300 and
+                filename.isprintable()):
+            filename = safe(filename, 300)
+        ncall, ttot, tsub = f.ncall, f.ttot, f.tsub
+        tavg = ttot / ncall if ncall and ttot is not None else 0.0
+        if ttot is not None and tsub is not None:
+            # (one format per row: "%8.1f ms" is "%11s" of _ms's text)
+            lines.append(_CALL_ROW % (
+                ncall, f.nactualcall, ttot * 1000.0, tsub * 1000.0,
+                tavg * 1000.0, qual, filename, f.lineno))
+            continue
         lines.append("  %9d %9d %11s %11s %11s  %s (%s:%d)" % (
-            f.ncall, f.nactualcall, _ms(f.ttot), _ms(f.tsub), _ms(f.tavg),
-            safe(f.qualname, 200), safe(f.filename, 300), f.lineno))
+            ncall, f.nactualcall, _ms(ttot), _ms(tsub), _ms(tavg),
+            qual, filename, f.lineno))
     return "\n".join(lines)
 
 

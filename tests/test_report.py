@@ -624,3 +624,27 @@ def test_c_renderer_prints_odd_times_as_python_does(wall):
     text = p.report()
     assert "  Elapsed wall time: %s\n" % report._ms(wall) in text
     assert text == report._render_py(p, 10, 25, 20)
+
+
+def test_calls_table_rows_read_as_each_time_formatted_alone():
+    """render_calls writes a row in one format: each time reads as
+    "%.1f ms" right-aligned in 11 columns, as it did formatted alone, and
+    a hand-built record without times still renders ("-")."""
+    from greqprof.report import render_calls
+    from greqprof.stats import FuncStat
+
+    def row(ttot, tsub, ncall=3):
+        return FuncStat(name="f", qualname="mod.f", module="mod",
+                        filename="/app/mod.py", lineno=7, ncall=ncall,
+                        nactualcall=1, ttot=ttot, tsub=tsub)
+
+    def alone(x):
+        return "%11s" % ("-" if x is None else "%.1f ms" % (x * 1000.0))
+
+    for ttot, tsub, ncall in [(0.0, 0.0, 3), (0.00005, 0.00004999, 1),
+                              (99.99995, 1e-9, 7), (123456.7, 2.5, 0),
+                              (None, 0.001, 2), (0.2, None, 2)]:
+        avg = ttot / ncall if ncall and ttot is not None else 0.0
+        want = "  %9d %9d %s %s %s  mod.f (/app/mod.py:7)" % (
+            ncall, 1, alone(ttot), alone(tsub), alone(avg))
+        assert render_calls([row(ttot, tsub, ncall)]).split("\n")[2] == want

@@ -55,3 +55,73 @@ def test_a_snapshot_leaves_the_stacks_to_the_final_profile(serve):
     assert [sp.stack for sp in snapshots[0].spans if sp.stack] == \
         [sp.stack for sp in stacked]
     assert stacked[0].stack not in _registry.stacks.values()
+
+
+def test_function_names_follow_the_code_registry(monkeypatch):
+    """The cleaned names of a function key are kept from one sampled
+    request to the next, but only while the code registry holds the same
+    object under that key: a key given to another function names that
+    one."""
+    from greqprof import _collect
+
+    def first():
+        pass
+
+    def second():
+        pass
+
+    key = 0x5A5A5A
+    monkeypatch.setitem(_registry.codes, key, first.__code__)
+    assert _collect._func_info(key)[0] == "first"
+    assert _collect._func_info(key)[0] == "first"
+    monkeypatch.setitem(_registry.codes, key, second.__code__)
+    assert _collect._func_info(key)[0] == "second"
+    monkeypatch.delitem(_registry.codes, key)
+    assert _collect._func_info(key)[0] == "<unknown>"
+
+
+def test_own_frames_get_no_entry_of_their_own_in_a_calls_profile(serve):
+    def work():
+        return sum(range(10))
+
+    def app(environ, start_response):
+        work()
+        return ok()(environ, start_response)
+
+    s = serve(app, pct=1.0, calls=True, linger=0)
+    assert s.get("/calls").status == 200
+    p = s.profile_for("/calls")
+    names = {f.name for f in p.calls}
+    assert "work" in names
+    # (records built without their __init__: every field there, as the
+    # constructor would have made them)
+    import dataclasses
+    for rec in p.calls + [c for f in p.calls for c in f.children]:
+        kw = {fld.name: getattr(rec, fld.name)
+              for fld in dataclasses.fields(rec)}
+        assert set(vars(rec)) == set(kw)
+        assert rec == type(rec)(**kw) and hash(rec) == hash(type(rec)(**kw))
+    assert any(f.children for f in p.calls)
+    assert not [f for f in p.calls if "/greqprof/" in f.filename
+                and "/tests/" not in f.filename]
+
+
+def test_route_numbers_name_each_wait_site_by_its_own_record():
+    """route_numbers keeps the text of a wait site per record object: a
+    new record (another site) is named after itself, a dropped one "?"."""
+    from greqprof import _collect
+
+    def raw_with(records):
+        stats = b"".join(_collect.WAIT_SITE_ROW.pack(i, 1000, 1, 1, 0, 0)
+                         for i in range(len(records)))
+        greenlets = _collect.GREENLET_ROW.pack(1, 5, 2000, 1, 0, 0, 1)
+        return (b"", greenlets, None, 0, 3000, (), 1, 0, 0, 0, 0, {}, {},
+                (records, stats, 0, b"", 0))
+
+    a = (None, "f", "a.py", 3, ())
+    cpu, waiting, sites = _collect.route_numbers(raw_with([a, None]))
+    assert (round(cpu * 1e9), round(waiting * 1e9)) == (2000, 3000)
+    assert [s for s, _ in sites] == ["f (a.py:3)", "? (:0)"]
+    assert _collect.route_numbers(raw_with([a]))[2][0][0] == "f (a.py:3)"
+    b = (None, "g", "b.py", 7, ())
+    assert _collect.route_numbers(raw_with([b]))[2][0][0] == "g (b.py:7)"
