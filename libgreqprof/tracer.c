@@ -90,6 +90,7 @@ struct gqp_tracer {
     int call_clock;
     int64_t window;
     int64_t others_window;  /* 0: window (GQP_TRACER_CPU_WINDOW_OTHERS_NS) */
+    int64_t wide;           /* others_window in effect, or 0: wide_update */
     int64_t long_ns;
     uint32_t max_depth;
     size_t max_greenlets;
@@ -155,6 +156,15 @@ static int64_t real_cpu(void *ctx)
 {
     (void)ctx;
     return gqp_clock_thread_cpu_ns();
+}
+
+/* The wider window of greenlets in no profile, or 0 when every span gets
+ * the narrow one: worked out when a setting it depends on changes, not at
+ * every switch. */
+static void wide_update(gqp_tracer *t)
+{
+    t->wide = t->cpu_mode == GQP_CPU_ESTIMATE && t->others_window > t->window
+              && !t->deflt && !t->session ? t->others_window : 0;
 }
 
 GQP_API int gqp_tracer_new(gqp_tracer **out)
@@ -279,6 +289,7 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
     if (param == GQP_TRACER_CPU_WINDOW_OTHERS_NS) {
         if (value < 0) return GQP_ERANGE;
         t->others_window = value;
+        wide_update(t);
         return GQP_OK;
     }
     if (param == GQP_TRACER_CPU_WINDOW_NS) {
@@ -286,6 +297,7 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
          * time; a smaller window takes effect at the next event. */
         if (value < 0) return GQP_ERANGE;
         t->window = value;
+        wide_update(t);
         return GQP_OK;
     }
     if (t->cur) {
@@ -299,6 +311,7 @@ GQP_API int gqp_tracer_set(gqp_tracer *t, gqp_tracer_param param,
         }
         t->cpu_mode = (int)value;
         t->est_init = false;
+        wide_update(t);
         return GQP_OK;
     case GQP_TRACER_CALL_CLOCK:
         if (value != GQP_CLOCK_CPU && value != GQP_CLOCK_WALL) {
@@ -381,6 +394,7 @@ GQP_API int gqp_tracer_set_default(gqp_tracer *t, gqp_profile *p)
     }
     gqp_profile_free(t->deflt);
     t->deflt = p;
+    wide_update(t);
     return GQP_OK;
 }
 
@@ -407,6 +421,7 @@ GQP_API int gqp_tracer_set_session(gqp_tracer *t, gqp_profile *p)
     }
     gqp_profile_free(t->session);
     t->session = p;
+    wide_update(t);
     return GQP_OK;
 }
 
@@ -702,13 +717,17 @@ static void history_push(gqp_tracer *t, const gqp_span *s, uint64_t serial)
     if (t->hist_cap == 0) {
         return;
     }
-    size_t i;
+    /* (a neighbour of a sampled request pays this per span: no
+     * divisions) */
+    size_t i = t->hist_head + t->hist_len;
+    if (i >= t->hist_cap) {
+        i -= t->hist_cap;
+    }
     if (t->hist_len < t->hist_cap) {
-        i = (t->hist_head + t->hist_len++) % t->hist_cap;
-    } else {
-        i = t->hist_head;
+        t->hist_len++;
+    } else {   /* (full: i is the oldest, head) */
         t->hist_overwritten_end = (uint64_t)t->hist[i].end;
-        t->hist_head = (t->hist_head + 1) % t->hist_cap;
+        t->hist_head = i + 1 < t->hist_cap ? i + 1 : 0;
     }
     hist_entry *h = &t->hist[i];
     h->greenlet_id = s->greenlet_id;
@@ -828,14 +847,6 @@ static inline int64_t span_clock(gqp_tracer *t, int64_t now)
     return cpu_at(t, now, t->cpu_mode == GQP_CPU_EXACT);
 }
 
-/* The wider window of greenlets in no profile, or 0 when every span gets
- * the narrow one. */
-static inline int64_t others_window(const gqp_tracer *t)
-{
-    return t->cpu_mode == GQP_CPU_ESTIMATE && t->others_window > t->window
-           && !t->deflt && !t->session ? t->others_window : 0;
-}
-
 /* Pops every frame of g into its profile at greenlet clock `gnow`. */
 static void unwind(gqp_tracer *t, gqp__greenlet *g, gqp_profile *p,
                    int64_t gnow);
@@ -860,7 +871,7 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
     }
     /* (a span of a greenlet in no profile may take the wider window, at
      * both ends: see GQP_TRACER_CPU_WINDOW_OTHERS_NS) */
-    int64_t wide = others_window(t);
+    int64_t wide = t->wide;
     bool narrow = !wide || (g && g == t->cur && g->profile);
     int64_t L = narrow ? span_clock(t, now)
                        : cpu_at_within(t, now, false, wide);

@@ -27,6 +27,30 @@ static int is_hub(PyObject *g)
     return PyObject_TypeCheck(g, hub_type);
 }
 
+/* target.spawning_greenlet (a new reference, or NULL with an exception
+ * set).  gevent's Greenlet has it as a getset descriptor and the generic
+ * attribute lookup: its getter is called straight from the type's
+ * (cached) lookup, a third of PyObject_GetAttr's walk.  Asked for every
+ * new greenlet while some profile is open, neighbours' included. */
+static PyObject *spawning_of(PyObject *target)
+{
+#ifndef Py_GIL_DISABLED
+    PyTypeObject *tp = Py_TYPE(target);
+    if (tp->tp_getattro == PyObject_GenericGetAttr) {
+        PyObject *d = _PyType_Lookup(tp, spawning_str);   /* (borrowed) */
+        if (d && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
+            /* (a data descriptor: the instance's dict is not asked) */
+            Py_INCREF(d);
+            PyObject *v = PyGetSetDescr_Type.tp_descr_get(d, target,
+                                                          (PyObject *)tp);
+            Py_DECREF(d);
+            return v;
+        }
+    }
+#endif
+    return PyObject_GetAttr(target, spawning_str);
+}
+
 static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
 {
     uint64_t key = (uint64_t)(uintptr_t)target;
@@ -35,7 +59,7 @@ static void on_new_greenlet(gqp_py_thread *st, PyObject *target)
          * asked when some greenlet has a profile to pass on (not on the
          * unsampled requests' path). */
         if (gqp_tracer_can_inherit(st->tracer) > 0) {
-            PyObject *ref = PyObject_GetAttr(target, spawning_str);
+            PyObject *ref = spawning_of(target);
             err_clear();
             PyObject *parent = NULL;
             if (ref && PyWeakref_Check(ref) &&

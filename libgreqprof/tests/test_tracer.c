@@ -936,6 +936,53 @@ TEST(others_window_spares_clock_reads)
     gqp_profile_free(mine);
 }
 
+/* The wider window is worked out when a setting it depends on changes
+ * (not at every switch): a default or session profile, the CPU mode or a
+ * narrow window above it each end it, and it comes back when they go. */
+TEST(others_window_follows_settings)
+{
+    fake_clock c;
+    gqp_profile *p = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_ESTIMATE, GQP_CLOCK_CPU);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 10));
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 1000));
+    EV(gqp_tracer_switch(t, 0, KH, 0));
+    EV(gqp_tracer_switch(t, KH, KI, 0));
+    EV(gqp_tracer_switch(t, KI, KH, 0));
+    EV(gqp_tracer_switch(t, KH, KI, 0));
+    /* (I in no profile: 20 ns between switches, wide or narrow) */
+#define READS_PER_SWITCH(expect)                          \
+    do {                                                  \
+        uint64_t r0 = c.cpu_reads;                        \
+        fc_run(&c, 20);                                   \
+        EV(gqp_tracer_switch(t, KI, KH, 0));              \
+        fc_run(&c, 20);                                   \
+        EV(gqp_tracer_switch(t, KH, KI, 0));              \
+        ASSERT_EQ_U64(c.cpu_reads - r0, (expect));        \
+    } while (0)
+    READS_PER_SWITCH(0);
+    ASSERT_OK(gqp_tracer_set_default(t, p));
+    READS_PER_SWITCH(2);
+    ASSERT_OK(gqp_tracer_set_default(t, NULL));
+    READS_PER_SWITCH(0);
+    ASSERT_OK(gqp_tracer_set_session(t, p));
+    READS_PER_SWITCH(2);
+    ASSERT_OK(gqp_tracer_set_session(t, NULL));
+    READS_PER_SWITCH(0);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 2000));
+    READS_PER_SWITCH(0);   /* (the narrow one, wider still: no read) */
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 10));
+    READS_PER_SWITCH(0);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 5));
+    READS_PER_SWITCH(2);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 1000));
+    READS_PER_SWITCH(0);
+#undef READS_PER_SWITCH
+    gqp_tracer_free(t);
+    gqp_profile_free(p);
+}
+
 /* Spans closed while no greenlet is attached to a profile (and there is
  * no default or session) are not kept in the history: a server's
  * unsampled requests skip it.  Once one is attached they are kept. */
