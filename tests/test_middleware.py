@@ -1661,3 +1661,40 @@ def test_profile_records_built_on_first_read(serve):
         p.spans[0].greenlet_id
     with pytest.raises(AttributeError):
         p.no_such_field
+
+
+class _PlainChild(gevent.Greenlet):
+    pass
+
+
+class _OwnGetattrChild(gevent.Greenlet):
+    # (a __getattribute__ of its own: not the generic lookup)
+    def __getattribute__(self, name):
+        return super().__getattribute__(name)
+
+
+class _PropertyChild(gevent.Greenlet):
+    # (spawning_greenlet a property: not gevent's getset descriptor)
+    @property
+    def spawning_greenlet(self):
+        return gevent.Greenlet.spawning_greenlet.__get__(self)
+
+
+def test_children_of_greenlet_subclasses_are_attributed(serve):
+    """spawning_greenlet is read through gevent's descriptor only for the
+    types whose lookup would find it: subclasses that look attributes up
+    their own way still pass the profile on."""
+    seen, req_gid = [], []
+
+    def app(environ, start_response):
+        req_gid.append(current_gid())
+        gevent.joinall([cls.spawn(_child_loop, 1, seen)
+                        for cls in (_PlainChild, _OwnGetattrChild,
+                                    _PropertyChild)])
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    s = serve(app, pct=1.0)
+    assert s.get("/kids").status == 200
+    assert len(seen) == 3
+    assert span_gids(s.profile_for("/kids")) == set(req_gid) | set(seen)
