@@ -1301,12 +1301,15 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
         }
         p = t->tombs[*tv - 1].profile;
     }
+    gqp__greenlet *cg = lookup(t, child);
+    if (!p && cg && !cg->profile) {
+        return GQP_OK;   /* (the common case: a neighbour's child) */
+    }
     /* create() may release the tomb that holds p (same key): keep it. */
     if (p) {
         gqp_profile_retain(p);
     }
     int rc = GQP_OK;
-    gqp__greenlet *cg = lookup(t, child);
     if (!cg) {
         cg = create(t, child);
         if (!cg) {
