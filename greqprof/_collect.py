@@ -295,20 +295,31 @@ def wait_sites(raw, origin):
     }
 
 
+#: the one field of a row route_numbers reads (a GREENLET_ROW's CPU, a
+#: WAIT_SITE_ROW's ns): no tuple of seven ints built per row
+_ROW_CPU = struct.Struct("=16xq32x")
+_SITE_NS = struct.Struct("=8xq24x")
+assert _ROW_CPU.size == GREENLET_ROW.size
+assert _SITE_NS.size == WAIT_SITE_ROW.size
+
+
 def route_numbers(raw):
     """(cpu seconds or None, waiting seconds, [(wait site, seconds)]) of a
     deferred profile's raw data, without building its fields (the route
     aggregates read these of every sampled request)."""
     cpu, seen = 0, False
-    for row in GREENLET_ROW.iter_unpack(raw[1]):
-        if row[2] >= 0:
-            cpu += row[2]
+    for (ns,) in _ROW_CPU.iter_unpack(raw[1]):
+        if ns >= 0:
+            cpu += ns
             seen = True
     sites = []
     if len(raw) > 13:
         records, stats = raw[13][0], raw[13][1]
-        for rec, row in zip(records, WAIT_SITE_ROW.iter_unpack(stats)):
-            sites.append((_site_text(rec), row[1] * NS))
+        texts = _site_texts
+        for rec, (ns,) in zip(records, _SITE_NS.iter_unpack(stats)):
+            hit = texts.get(id(rec))   # (_site_text's hit, inline)
+            sites.append((hit[1] if hit is not None and hit[0] is rec
+                          else _site_text(rec), ns * NS))
     return (cpu * NS if seen else None), raw[4] * NS, sites
 
 

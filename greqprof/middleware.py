@@ -216,6 +216,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._lifecycle_setup(bool(self.observers))
             # -- per-route aggregates of every request (docs/fleet.md) -------
             config.check("route", route)
+            self._route_names = {}   # raw route -> its name (sampled)
             self._routes = routes.RouteAggregates(
                 _registry.RouteCounts, config.check(
                     "max_routes", opts["max_routes"]), route)
@@ -599,8 +600,17 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         waiting, wait sites and blocking added to the route, read from its
         raw data when it is still deferred (not built for this)."""
         try:
-            # (the inspector lists a route's profiles by it)
-            profile.route = routes._name(route)
+            # (the inspector lists a route's profiles by it; the C table
+            # hands the same raw name each time: cleaned once, bounded)
+            names = self._route_names
+            name = names.get(route) if type(route) is str else None
+            if name is None:
+                name = routes._name(route)
+                if type(route) is str:
+                    if len(names) >= 4096:
+                        names.clear()
+                    names[route] = name
+            profile.route = name
             loader = profile.__dict__.get("_loader")
             if loader is not None:
                 cpu, waiting, waits = _collect.route_numbers(loader[1])
@@ -609,8 +619,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 waits = [("%s (%s:%d)" % (w.fn_name, w.filename, w.lineno),
                           w.seconds) for w in profile.waits]
             blocking = profile.blocking
-            self._routes.add_sampled(
-                route, cpu, waiting, len(blocking),
+            self._routes.add_named_sample(
+                name or routes.OTHER, cpu, waiting, len(blocking),
                 sum(ev.wall for ev in blocking) if blocking else 0.0, waits)
         except Exception as e:
             self._internal_error("routes", e)

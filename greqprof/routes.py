@@ -556,7 +556,13 @@ class RouteAggregates:
                     waits=()):
         """A sampled request of ``route`` (its raw name) was delivered;
         ``waits``: its (site, seconds) pairs."""
-        route = _name(route) or OTHER
+        self.add_named_sample(_name(route) or OTHER, cpu, waiting, blocking,
+                              blocked, waits)
+
+    def add_named_sample(self, route, cpu, waiting, blocking=0, blocked=0.0,
+                         waits=()):
+        """:meth:`add_sampled` for a ``route`` already named (clean and
+        cut, as :func:`route_name` gives it)."""
         with self._lock:
             st = self._stats(route)
             if waits:

@@ -28,6 +28,10 @@ def counts(mw):
     return {r["route"]: r["requests"] for r in mw.routes()}
 
 
+#: a route name that is cleaned and cut (a control character, too long)
+DIRTY = "r\x01" + "x" * 300
+
+
 def app_of_paths(environ, start_response):
     p = environ["PATH_INFO"]
     if p.startswith("/raise"):
@@ -55,6 +59,8 @@ def app_of_paths(environ, start_response):
         gevent.spawn(greqprof.set_route, "by-child").join()
     if p.startswith("/sleep"):
         gevent.sleep(0.03)
+    if p.startswith("/dirty"):
+        greqprof.set_route(DIRTY)
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"ok"]
 
@@ -403,3 +409,20 @@ def test_a_scanner_costs_bounded_memory(serve):
     got = counts(s.mw)
     assert len(got) == 21 and sum(got.values()) == 300
     assert c.cached_paths == 150   # (only the short ones)
+
+
+def test_sampled_requests_of_a_route_named_uncleanly_count_under_its_name(
+        serve):
+    """Each sampled request of a route whose raw name is cleaned (the name
+    is cleaned once and then reused) counts under the clean name, which
+    its profile carries too."""
+    s = serve(app_of_paths, pct=1.0, report=False, linger=0)
+    for _ in range(3):
+        s.get("/dirty")
+    profiles = s.wait_profiles(3)
+    name = routes.route_name(DIRTY)
+    assert name != DIRTY
+    wait_for(lambda: by_route(s.mw).get(name, {}).get("sampled") == 3,
+             what="three sampled requests counted")
+    assert [p.route for p in profiles] == [name] * 3
+    assert by_route(s.mw)[name]["requests"] == 3
