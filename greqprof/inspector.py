@@ -425,23 +425,15 @@ class Inspector:
                  '</thead><tbody>%s</tbody></table>' % (head, "".join(rows))
                  if rows else '<p class="gq-note gq-empty">No requests '
                  'yet.</p>')
-        css = asset("timeline.css")
-        csp = content_security_policy(styles=[css])
-        page = (
-            '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-            '<meta name="referrer" content="no-referrer">'
-            '<meta name="viewport" content="width=device-width, '
-            'initial-scale=1"><title>greqprof routes</title>'
-            '<style>%s</style></head><body>'
-            '<header class="gq-top"><span class="gq-brand">greqprof</span>'
-            '<span>every request of this process %s, by '
-            'route; CPU and waiting are estimated from the sampled '
-            'requests</span></header><main><h1>Routes (%d)</h1>'
-            '<div class="gq-list-actions"><a href="%s">\u2190 profiles</a>'
-            ' <a href="%s">%s</a>%s</div>%s</main></body></html>' % (
-                css, "in about the last %d minutes" % (RECENT_S // 60)
-                if recent else "since it started", len(rows),
-                esc(self._url(environ, "/")),
+        return self._page(
+            start_response, "greqprof routes",
+            'every request of this process %s, by route; CPU and waiting '
+            'are estimated from the sampled requests'
+            % ("in about the last %d minutes" % (RECENT_S // 60)
+               if recent else "since it started"),
+            '<h1>Routes (%d)</h1><div class="gq-list-actions"><a href="%s">'
+            '\u2190 profiles</a> <a href="%s">%s</a>%s</div>%s' % (
+                len(rows), esc(self._url(environ, "/")),
                 esc(self._query_url(environ, "/routes", sort=sort,
                                     **({} if recent else
                                        {"window": "recent"}))),
@@ -450,7 +442,6 @@ class Inspector:
                 (' <span class="gq-note">stack samples of every route:'
                  '</span> '
                  + stack_links(None) if self.stack_hz else ""), table))
-        return self._html_response(start_response, page, csp)
 
     def _stacks(self, environ, start_response, fmt):
         """The stack samples (stack_hz) of ?route= (every route without
@@ -520,27 +511,33 @@ class Inspector:
                '%s</svg>' % (width, depth[0] * row, "".join(rects))
                if root[2] else '<p class="gq-note gq-empty">No stack '
                'samples of this route yet.</p>')
+        return self._page(
+            start_response, "greqprof flame graph",
+            "stack samples (stack_hz) of this process since it started: "
+            "where the route's requests ran Python, by function; hover a "
+            "frame for its share",
+            '<h1>Flame graph: %s (%d samples)</h1>'
+            '<div class="gq-list-actions"><a href="%s">\u2190 routes</a> '
+            '<a href="%s">speedscope</a> <a href="%s">pprof</a></div>%s' % (
+                esc(route if route is not None else "every route"),
+                root[2], esc(self._url(environ, "/routes")),
+                esc(self._query_url(environ, "/routes/speedscope", **kw)),
+                esc(self._query_url(environ, "/routes/pprof", **kw)), svg))
+
+    def _page(self, start_response, title, subtitle, main):
+        """A page of the Routes views: the list's stylesheet, its header
+        (subtitle: plain text), main (HTML)."""
         css = asset("timeline.css")
-        csp = content_security_policy(styles=[css])
         page = (
             '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             '<meta name="referrer" content="no-referrer">'
             '<meta name="viewport" content="width=device-width, '
-            'initial-scale=1"><title>greqprof flame graph</title>'
-            '<style>%s</style></head><body>'
-            '<header class="gq-top"><span class="gq-brand">greqprof</span>'
-            '<span>stack samples (stack_hz) of this process since it '
-            'started: where the route\'s requests ran Python, by '
-            'function; hover a frame for its share</span></header><main>'
-            '<h1>Flame graph: %s (%d samples)</h1>'
-            '<div class="gq-list-actions"><a href="%s">\u2190 routes</a> '
-            '<a href="%s">speedscope</a> <a href="%s">pprof</a></div>'
-            '%s</main></body></html>' % (
-                css, esc(route if route is not None else "every route"),
-                root[2], esc(self._url(environ, "/routes")),
-                esc(self._query_url(environ, "/routes/speedscope", **kw)),
-                esc(self._query_url(environ, "/routes/pprof", **kw)), svg))
-        return self._html_response(start_response, page, csp)
+            'initial-scale=1"><title>%s</title><style>%s</style></head>'
+            '<body><header class="gq-top"><span class="gq-brand">greqprof'
+            '</span><span>%s</span></header><main>%s</main></body></html>'
+            % (html.escape(title), css, html.escape(subtitle), main))
+        return self._html_response(start_response, page,
+                                   content_security_policy(styles=[css]))
 
     def _list(self, environ, start_response):
         def esc(text, quote=True):
