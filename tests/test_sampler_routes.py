@@ -63,13 +63,13 @@ def flask_app():
 
     @app.route("/items/<int:item_id>")
     def item(item_id):
-        burn_cpu(150000)
+        burn_cpu(20)
         return "item %d" % item_id
 
     @app.route("/pay/<int:n>")
     def pay(n):
         set_route("checkout")
-        burn_cpu(150000)
+        burn_cpu(20)
         return "paid"
     return app
 
@@ -115,7 +115,7 @@ def django_app():
 
     def burn(request, n):
         from django.http import HttpResponse
-        burn_cpu(150000)
+        burn_cpu(20)
         return HttpResponse("burnt")
     if not any(getattr(p, "name", None) == "sampler-burn"
                for p in urls.urlpatterns):
@@ -143,7 +143,7 @@ def test_the_route_of_a_keep_alive_connections_next_request(
         if environ["PATH_INFO"].startswith("/named/"):
             set_route("first")
         else:
-            burn_cpu(150000)
+            burn_cpu(20)
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"ok"]
     mw, port = serve(app)
@@ -287,7 +287,7 @@ def test_naming_for_the_sampler_changes_no_aggregate(serve, fresh_sampler):
     # sampler its name early must not make it count.
     def app(environ, start_response):
         set_route("boom")
-        burn_cpu(20000)
+        burn_cpu(3)
         raise RuntimeError("boom")
     mw, port = serve(app, pct=1.0, linger=0)
     for i in range(3):
@@ -306,7 +306,7 @@ def test_what_a_sampled_request_left_running_takes_its_final_route(
 
     def child():
         gevent.sleep(0.01)   # (after the response)
-        burn_cpu(150000)
+        burn_cpu(20)
 
     def app(environ, start_response):
         gevent.spawn(child)

@@ -331,7 +331,10 @@ static int smp_line(PyFrameObject *f, PyCodeObject *co, int *own)
         PyUnicode_Tailmatch(file, own_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
     Py_XDECREF(file);
     PyErr_Clear();
+    /* (code without a line table says -1; pprof's "unknown" is 0) */
     int line = PyFrame_GetLineNumber(f);
+    if (line < 0)
+        line = 0;
     if (lasti >= 0) {
         PyCodeObject *old = smp_lines[h].code;
         smp_lines[h].code = (PyCodeObject *)Py_NewRef(co);
