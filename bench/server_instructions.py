@@ -40,6 +40,9 @@ sys.path.insert(0, HERE)
 
 import _benchutil as bu  # noqa: E402
 
+#: --cache-sim: the simulated misses reported (callgrind's event names)
+CACHE_EVENTS = ("I1mr", "D1mr", "D1mw", "DLmr", "DLmw")
+
 #: --app: the route put under load (bench/load_overhead.py's APP_PATHS)
 APP_PATHS = {"hello": "/hello?name=bench", "api": "/api?page=2"}
 URL = APP_PATHS["hello"]
@@ -73,7 +76,7 @@ def _load(port, n, conns):
     return (n // conns) * conns
 
 
-def measure(config, requests, conns, warmup, tmp):
+def measure(config, requests, conns, warmup, tmp, cache_sim=False):
     """(instructions per request, of them in the main thread, callgrind
     dump path of the main thread) for one config.  Background threads
     (gevent's monitor, greqprof's watchdog) wake up per wall-clock
@@ -86,7 +89,8 @@ def measure(config, requests, conns, warmup, tmp):
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONHASHSEED="0")
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out,
-         "--separate-threads=yes", sys.executable, os.path.join(HERE, "_load_server.py"),
+         "--separate-threads=yes"] +
+        (["--cache-sim=yes"] if cache_sim else []) + [sys.executable, os.path.join(HERE, "_load_server.py"),
          "--config", config, "--port", "0", "--rows", "24"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
@@ -112,13 +116,19 @@ def measure(config, requests, conns, warmup, tmp):
         raise RuntimeError("no callgrind dump for " + config)
     part = max(dumps, key=os.path.getmtime).rsplit("-", 1)[0]
     total = main = 0
+    misses = {}
     for dump in glob.glob(part + "-*"):
         with open(dump) as f:
-            n = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
-        total += n
+            text = f.read()
+        counts = [int(x) for x in re.search(r"^summary: ([\d ]+)", text,
+                                            re.M).group(1).split()]
+        total += counts[0]
         if dump.endswith("-01"):
-            main, main_dump = n, dump
-    return total / done, main / done, main_dump
+            main, main_dump = counts[0], dump
+            names = re.search(r"^events: (.*)$", text, re.M).group(1).split()
+            misses = {k: v / done for k, v in zip(names, counts)
+                      if k in ("D1mr", "D1mw", "DLmr", "DLmw", "I1mr")}
+    return total / done, main / done, main_dump, misses
 
 
 def self_costs(dump):
@@ -156,6 +166,10 @@ def main():
                     help="list the N functions that grew most against the "
                          "first configuration")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--cache-sim", action="store_true",
+                    help="also simulate the caches: L1 data (D1mr/D1mw), "
+                         "instruction (I1mr) and last-level (DLmr/DLmw) "
+                         "misses per request of the main thread")
     ap.add_argument("--keep", metavar="DIR",
                     help="keep the callgrind dumps in DIR (for "
                          "callgrind_annotate --inclusive=yes)")
@@ -174,12 +188,17 @@ def main():
             return 0
     if args.connections < 1 or args.requests < args.connections:
         ap.error("need --requests >= --connections >= 1")
-    rows, dumps, base = [], [], None
+    rows, dumps, base, cache_rows = [], [], None, []
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in args.configs:
-            per, main_per, dump = measure(cfg, args.requests,
-                                          args.connections, args.warmup,
-                                          args.keep or tmp)
+            per, main_per, dump, misses = measure(
+                cfg, args.requests, args.connections, args.warmup,
+                args.keep or tmp, args.cache_sim)
+            if misses:
+                bu.log("%-24s main thread per request: %s" % (cfg, ", ".join(
+                    "%s %.0f" % kv for kv in sorted(misses.items()))))
+                cache_rows.append([cfg] + ["%.0f" % misses.get(k, 0)
+                                           for k in CACHE_EVENTS])
             base = (per, main_per) if base is None else base
             bu.log("%-24s %10.0f instructions/request (main thread %.0f)"
                    % (cfg, per, main_per))
@@ -191,6 +210,10 @@ def main():
         print(table(["configuration", "instructions per request",
                      "added to %s" % args.configs[0], "main thread",
                      "added (main thread)"], rows))
+        if cache_rows:
+            print("\ncache misses per request, main thread (callgrind's "
+                  "simulated caches)")
+            print(table(["configuration"] + list(CACHE_EVENTS), cache_rows))
         if args.top and len(dumps) > 1:
             first = self_costs(dumps[0][1])
             for cfg, dump, n in dumps[1:]:
@@ -208,7 +231,8 @@ def main():
               " ".join(args.configs),
               " --app %s" % args.app if args.app != "hello" else "",
               args.connections, args.requests,
-              " --top %d" % args.top if args.top else "",
+              (" --top %d" % args.top if args.top else "") +
+              (" --cache-sim" if args.cache_sim else ""),
               " --markdown" if args.markdown else ""))
     return 0
 
