@@ -107,6 +107,7 @@ class Engine:
         self.finisher = None
         self.finisher_wake = None
         self.finisher_woken = False
+        self.finisher_polls = 0   # (passes over `pending`: tests count)
         # (greenlet id, span start ns) -> stack seen by the watchdog
         self.sampled_stacks = {}
         self.generation = _fork_generation[0]

@@ -104,6 +104,14 @@ def start_drain_loop(mw, eng):
         mw._internal_error("drain", e)
 
 
+#: while a profile waits for greenlets its request left running, the
+#: finisher looks again after FINISH_POLL_S, doubling each time up to
+#: FINISH_POLL_MAX_S: a request whose background greenlet runs for the
+#: whole linger (1 s by default) costs ~25 wake-ups, not 200, and its
+#: profile is delivered at most FINISH_POLL_MAX_S after it is done
+FINISH_POLL_S = 0.005
+FINISH_POLL_MAX_S = 0.05
+
 #: seconds the finisher stays up after a batch, collecting more: profiles
 #: then finish in batches, with one wake-up each instead of one per sampled
 #: request (a wake-up is a loop callback, an Event and two switches)
@@ -129,14 +137,17 @@ def _finish_pending_forever(ref):
     if eng is None:
         return
     wake = eng.finisher_wake = Event()
+    poll = FINISH_POLL_S
     while eng is not None:
         # Up and about to look at `pending`: nobody needs to wake it.
         eng.finisher_woken = True
         # (in C: finalizes the queued requests that are done)
         waiting = _registry.finish_pending(eng, eng.pending,
                                            _lowlevel.wall_ns())
+        eng.finisher_polls += 1
         eng = None   # (not held while suspended)
         if waiting == 2:
+            poll = FINISH_POLL_S   # (new requests: looked at soon again)
             # Requests seen queued for the first time: the start callbacks
             # of children they spawned run before this greenlet's next
             # turn, then they are looked at again (once per round: more
@@ -147,15 +158,18 @@ def _finish_pending_forever(ref):
                 return
             waiting = _registry.finish_pending(eng, eng.pending,
                                                _lowlevel.wall_ns())
+            eng.finisher_polls += 1
             eng = None
         if waiting == 1:
             # (a timer that keeps the loop running: a profile waiting for
             # its request's greenlets, at most `linger`, is delivered
             # before gevent.wait() returns; idle, the finisher waits on
             # an Event, which does not)
-            gevent.sleep(0.005)
+            gevent.sleep(poll)
+            poll = min(poll * 2, FINISH_POLL_MAX_S)
             eng = _live(ref)
             continue
+        poll = FINISH_POLL_S
         gevent.sleep(FINISH_BATCH_S)
         eng = _live(ref)
         if eng is None or eng.pending:

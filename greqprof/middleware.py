@@ -85,8 +85,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         its slot freed.
     :param linger: after the response ends, wait up to this many seconds
         for greenlets the request spawned (joined or not) before the
-        profile is closed and reported; 0 reports at once (greenlets not
-        yet started are then missed).
+        profile is closed and reported (looked at every 5 ms at first,
+        then every 50 ms); 0 reports at once (greenlets not yet started
+        are then missed).
     :param profile_dir: write every profile to this directory, one file
         per format in ``formats`` (default ``["json"]``; any renderer name,
         see docs/viewing.md), named ``<UTC time>-<pid>-<path>-<n>.<ext>``.
