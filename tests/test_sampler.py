@@ -141,9 +141,9 @@ def by_route():
 def server():
     servers, mws = [], []
 
-    def start(**kw):
+    def start(wsgi_app=app, **kw):
         kw.setdefault("pct", 0.0)
-        mw = ProfilingMiddleware(app, report=False, **kw)
+        mw = ProfilingMiddleware(wsgi_app, report=False, **kw)
         mws.append(mw)
         s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
         s.start()

@@ -21,7 +21,7 @@ from greqprof import ProfilingMiddleware, sampler, set_route
 from conftest import need_module
 from test_middleware import http as get, reset_greqprof, wait_for
 from test_pprof import Raw, pprof_tool  # noqa: F401 (a fixture)
-from test_sampler import burn_cpu, fresh_sampler, load  # noqa: F401
+from test_sampler import burn_cpu, fresh_sampler, load, server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,22 +30,13 @@ BURN = "test_sampler.burn_cpu"
 
 
 @pytest.fixture
-def serve():
-    servers, mws = [], []
-
+def serve(server):
+    """serve(app, **middleware options): test_sampler's server, the
+    sampler at HZ unless told."""
     def start(app, **kw):
-        kw.setdefault("pct", 0.0)
         kw.setdefault("stack_hz", HZ)
-        mw = ProfilingMiddleware(app, report=False, **kw)
-        mws.append(mw)
-        s = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
-        s.start()
-        servers.append(s)
-        return mw, s.server_port
-    yield start
-    for s in servers:
-        s.stop(timeout=2)
-    reset_greqprof(mws)
+        return server(app, **kw)
+    return start
 
 
 def burning_routes():
@@ -329,12 +320,12 @@ def test_a_mounted_flask_apps_samples_carry_the_mount(fresh_sampler):
     def mounted(environ, start_response):
         environ["SCRIPT_NAME"] = "/shop"
         return mw(environ, start_response)
-    server = pywsgi.WSGIServer(("127.0.0.1", 0), mounted, log=None)
-    server.start()
+    srv = pywsgi.WSGIServer(("127.0.0.1", 0), mounted, log=None)
+    srv.start()
     try:
-        load([server.server_port], ["/items/%d"] * 5)
+        load([srv.server_port], ["/items/%d"] * 5)
     finally:
-        server.stop(timeout=2)
+        srv.stop(timeout=2)
         reset_greqprof([mw])
     burning = burning_routes()
     assert set(burning) == {"/shop/items/<int:item_id>"}, burning
