@@ -222,10 +222,19 @@ def write_pprof(path, period_ns, route=None):
     """Writes :func:`pprof_bytes` to ``path`` (atomically: a temporary
     file renamed).  Returns the number of samples written."""
     data, total = pprof_bytes(period_ns, route)
-    tmp = "%s.tmp%d" % (os.fspath(path), os.getpid())
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    path = os.fspath(path)
+    # (per process and thread: two writers of one path do not share it)
+    tmp = "%s.tmp%d-%d" % (path, os.getpid(), threading.get_ident())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:   # (no temporary file left behind; path as it was)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return total
 
 

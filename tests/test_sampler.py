@@ -239,6 +239,25 @@ def test_frames_without_line_numbers_are_written(server, fresh_sampler,
     assert "burn_no_lines" in pprof_tool(path, "-top")
 
 
+def test_a_failed_write_pprof_leaves_no_file_behind(server, fresh_sampler,
+                                                     tmp_path):
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/cpu/%d"] * 2, clients=1)
+    target = tmp_path / "a directory"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError):
+        mw.write_pprof(target)
+    with pytest.raises(FileNotFoundError):
+        mw.write_pprof(tmp_path / "missing" / "x.pb.gz")
+    assert [p.name for p in tmp_path.iterdir()] == ["a directory"]
+    assert list(target.iterdir()) == []
+    # An existing file is replaced whole or not at all.
+    ok = tmp_path / "ok.pb.gz"
+    assert mw.write_pprof(ok) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a directory",
+                                                           "ok.pb.gz"]
+
+
 def test_stack_hz_off_writes_nothing(server, fresh_sampler, tmp_path):
     mw, port = server(stack_hz=0)
     load([port], ["/cpu/%d"] * 2, clients=1)
