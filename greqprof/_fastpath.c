@@ -356,8 +356,9 @@ static void note_clean(gqp_py_thread *st, uint64_t gid)
     }
 }
 
-/* (method, path, request_id) of the first noted request along a spawner
- * chain, or None; a new reference (GIL held). */
+/* (method, path, request_id, route) of the first noted request along a
+ * spawner chain (route: the name the app gave it so far, sampler_name,
+ * else None), or None; a new reference (GIL held). */
 static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
 {
     for (Py_ssize_t i = 0; st->notes && i < PyTuple_GET_SIZE(chain); i++) {
@@ -371,8 +372,8 @@ static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
             n = &st->notes[gid & (GQP_NOTES - 1)];
         }
         if (n->gid == gid) {
-            return PyTuple_Pack(3, or_none(n->method), or_none(n->path),
-                                or_none(n->rid));
+            return PyTuple_Pack(4, or_none(n->method), or_none(n->path),
+                                or_none(n->rid), or_none(n->route));
         }
     }
     err_clear();
@@ -439,8 +440,8 @@ static PyObject *note_py(PyObject *self, PyObject *const *args,
 }
 
 /* _registry.request_note(hooks, greenlet): what a long span of that
- * greenlet would take if it ended now: ((method, path, request_id) or
- * None, spawner chain). */
+ * greenlet would take if it ended now: ((method, path, request_id,
+ * route) or None, spawner chain). */
 static PyObject *request_note_py(PyObject *self, PyObject *const *args,
                                  Py_ssize_t nargs)
 {

@@ -51,7 +51,8 @@ MiddlewareBase = None
 note = None
 #: request_note(hooks_address, greenlet): (note, chain): chain is the ids of
 #: the greenlet and its live spawners (gevent's spawning_greenlet), note the
-#: first (method, path, request_id) noted along it, or None
+#: first (method, path, request_id, route) noted along it, or None (route:
+#: the name the app gave the request so far, else None)
 request_note = None
 #: render_rows(fields, raw, n_spans, n_greenlets, safe, stack): the text
 #: report's common part from a deferred profile's rows (a C function, see

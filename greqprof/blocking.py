@@ -60,7 +60,9 @@ def _report_long_span(mw, eng, rec):
 def _count_route(mw, owner, ev):
     """Counts the event by its request's route: a sampled request's when
     its profile is delivered (its route is known at the end), an
-    unsampled one's now, by its path (the template is not known yet)."""
+    unsampled one's now, by the name the app or its framework gave it so
+    far (set_route, Flask's rule, Django's route), else by its path (a
+    ``route=`` callable is asked only at the request's end)."""
     agg = getattr(mw, "_routes", None)
     if agg is None:
         return
@@ -68,11 +70,21 @@ def _count_route(mw, owner, ev):
         if owner is None:
             agg.add_blocking(None, ev.wall)
         elif getattr(owner, "profile", None) is None:
-            agg.add_blocking(path_route(owner.path or ""), ev.wall)
+            agg.add_blocking(_route_so_far(owner), ev.wall)
         else:
             agg.count_blocking(ev.wall)
     except Exception as e:
         mw._internal_error("routes", e)
+
+
+def _route_so_far(req):
+    """The route an unsampled request counts under as far as it is known
+    now (its name is cleaned by the routes table)."""
+    for attr in ("route", "stack_route"):
+        name = getattr(req, attr, None)
+        if type(name) is str and name:
+            return name
+    return path_route(req.path or "")
 
 
 def _request_of_greenlet(eng, chain, note, start=None):
@@ -80,10 +92,10 @@ def _request_of_greenlet(eng, chain, note, start=None):
     to: the open request seen by observers only (no profile) of its
     greenlet or of the nearest of its spawners (chain: their ids, from
     the hooks), else the unsampled request noted for them (note:
-    (method, path, request id) or None).  A spawner's sampled request
-    is not it: a greenlet of that request would be in its profile (the
-    spawner may serve its next request by now), nor is a spawner's
-    request begun after the span (start, wall ns)."""
+    (method, path, request id, route) or None).  A spawner's sampled
+    request is not it: a greenlet of that request would be in its
+    profile (the spawner may serve its next request by now), nor is a
+    spawner's request begun after the span (start, wall ns)."""
     requests = eng.requests
     for i, gid in enumerate(chain):
         req = requests.get(gid)
@@ -248,12 +260,15 @@ class BlockingSites:
 class _UnsampledRequest:
     """What a blocking report needs of an unsampled request."""
 
-    __slots__ = ("method", "path", "request_id", "profile", "blocking")
+    __slots__ = ("method", "path", "request_id", "route", "profile",
+                 "blocking")
 
     def __init__(self, note):
-        method, path, rid = note   # str or None (RequestNotes keeps str)
+        # (str or None: the notes keep only str)
+        method, path, rid, route = note
         self.method = method or ""
         self.path = path or ""
         self.request_id = rid or None
+        self.route = route or None
         self.profile = None
         self.blocking = []

@@ -195,6 +195,66 @@ def test_blocking_events_count_by_route(serve):
         assert s.mw._routes.blocking >= 2
 
 
+def _hold(seconds):
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def test_unsampled_blocking_counts_under_the_route_the_app_named(serve):
+    """An unsampled request's blocking event is counted when its span
+    ends, before the request's route is final: it takes the name the
+    framework or set_route gave the request so far (a child greenlet its
+    request's), not the path's, which made a route of its own with
+    blocking and no requests.  A route= callable is asked at the end:
+    its requests' events stay under the path."""
+    flask = need_module("flask")   # (a test extra: pyproject)
+    app = flask.Flask("blocking_routes_test")
+
+    @app.route("/items/<int:item_id>")
+    def item(item_id):
+        _hold(0.03)
+        return "item"
+
+    @app.route("/pay/<int:n>")
+    def pay(n):
+        greqprof.set_route("checkout")
+        _hold(0.03)
+        return "paid"
+
+    @app.route("/kids/<int:k>")
+    def kids(k):
+        gevent.spawn(_hold, 0.03).join()
+        return "kids"
+
+    s = serve(app.wsgi_app, pct=0.0, report=False, blocking_ms=10,
+              linger=0, logger="greqprof.test_routes_blocking")
+    for target in ("/items/1", "/items/2", "/pay/3", "/kids/4"):
+        assert s.get(target).status == 200
+    want = {"/items/<int:item_id>": 2, "checkout": 1, "/kids/<int:k>": 1}
+    wait_for(lambda: all(by_route(s.mw).get(r, {}).get("blocking", 0) >= n
+                         for r, n in want.items()),
+             what="blocking counted by route")
+    got = by_route(s.mw)
+    assert {r: got[r]["blocking"] for r in want} == want, got
+    assert {r: got[r]["requests"] for r in want} == {
+        "/items/<int:item_id>": 2, "checkout": 1, "/kids/<int:k>": 1}
+    # (no route made of a path: every route has its requests)
+    assert all(r["requests"] > 0 for r in got.values()), got
+
+    def plain(environ, start_response):
+        _hold(0.03)
+        start_response("200 OK", [])
+        return [b"ok"]
+    s3 = serve(plain, pct=0.0, report=False, blocking_ms=10, linger=0,
+               route=lambda environ: "by-callable",
+               logger="greqprof.test_routes_blocking")
+    assert s3.get("/plain/7").status == 200
+    wait_for(lambda: by_route(s3.mw).get("/plain/{id}", {}).get(
+        "blocking", 0) >= 1, what="the callable's request's blocking")
+    assert by_route(s3.mw)["by-callable"]["requests"] == 1
+
+
 def test_flask_routes_under_pywsgi(serve):
     """Flask's matched rule names its requests (the hook is installed when
     the middleware is made); a 404 falls back to the path."""
