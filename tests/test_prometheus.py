@@ -23,7 +23,20 @@ pytestmark = pytest.mark.timeout(90)
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
-APP = FLASK_ROUTES_APP   # (Flask's routes: /items/<int:item_id>, /fail)
+# Flask's routes /items/<int:item_id>, /fail and one holding the loop
+APP = FLASK_ROUTES_APP + '''
+
+import time
+
+
+@app.route("/hold/<int:n>")
+def hold(n):
+    deadline = time.perf_counter() + 0.05
+    while time.perf_counter() < deadline:
+        pass
+    return "held"
+'''
+HOLDS = 6
 
 
 def _need(what, ok):
@@ -56,7 +69,7 @@ def test_prometheus_scrapes_two_gunicorn_workers(tmp_path):
     mp.mkdir()
     g = Gunicorn(str(tmp_path), ["--pythonpath", str(tmp_path)], env={
         "GREQPROF_PCT": "0.25", "GREQPROF_METRICS_PATH": "/_greqprof/metrics",
-        "GREQPROF_BLOCKING_MS": "off", "GREQPROF_SUMMARY_S": "off",
+        "GREQPROF_BLOCKING_MS": "20", "GREQPROF_SUMMARY_S": "off",
         "PROMETHEUS_MULTIPROC_DIR": str(mp)}, app="promapp:app")
     prom = None
     try:
@@ -81,6 +94,8 @@ def test_prometheus_scrapes_two_gunicorn_workers(tmp_path):
                 lambda i: get(g.port, "/items/%d" % i if i % 4 else "/fail",
                               "p-%d" % i), range(120)))
         assert statuses.count(200) == 90 and statuses.count(503) == 30
+        for i in range(HOLDS):
+            assert get(g.port, "/hold/%d" % i, "h-%d" % i) == 200
         pids = {int(p.name.split("_")[-1].split(".")[0])
                 for p in mp.iterdir() if p.name.startswith("counter_")}
 
@@ -91,7 +106,8 @@ def test_prometheus_scrapes_two_gunicorn_workers(tmp_path):
             except OSError:
                 return None
         want = {(("route", "/items/<int:item_id>"), ("status", "2xx")): 90.0,
-                (("route", "/fail"), ("status", "5xx")): 30.0}
+                (("route", "/fail"), ("status", "5xx")): 30.0,
+                (("route", "/hold/<int:n>"), ("status", "2xx")): HOLDS}
         wait(lambda: summed() == want, "Prometheus summing %r" % want,
              timeout=40)
         # the histogram's count, the sampled requests' CPU count, and the
@@ -99,10 +115,28 @@ def test_prometheus_scrapes_two_gunicorn_workers(tmp_path):
         dur = query(pport, "sum by (route) "
                            "(greqprof_request_duration_seconds_count)")
         assert dur == {(("route", "/items/<int:item_id>"),): 90.0,
-                       (("route", "/fail"),): 30.0}
+                       (("route", "/fail"),): 30.0,
+                       (("route", "/hold/<int:n>"),): HOLDS}
         inf = query(pport, 'sum(greqprof_request_duration_seconds_bucket'
                            '{le="+Inf"})')
-        assert list(inf.values()) == [120.0]
+        assert list(inf.values()) == [120.0 + HOLDS]
+        # Each hold is one blocking event of its route (sampled or not:
+        # never a route of its own made of the path); a busy machine may
+        # add events elsewhere, not to it.
+        hold = (("route", "/hold/<int:n>"),)
+
+        def blocking_now():
+            return query(pport, "sum by (route) (greqprof_blocking_total)")
+        # (a sampled hold counts when its profile is delivered: maybe a
+        # scrape later than its request)
+        wait(lambda: blocking_now().get(hold) == HOLDS,
+             "Prometheus summing %d blocking events" % HOLDS, timeout=20)
+        blocking = blocking_now()
+        assert all(dict(k)["route"] in ("/hold/<int:n>", "/fail",
+                                        "/items/<int:item_id>")
+                   for k in blocking), blocking
+        held = query(pport, "sum(greqprof_blocked_seconds_total)")
+        assert list(held.values())[0] >= HOLDS * 0.05 * 0.9, held
         cpu = query(pport, "sum(greqprof_request_cpu_seconds_count)")
         assert 0 < list(cpu.values())[0] <= 120
         assert pids <= set(g.booted()) and len(pids) >= 1
