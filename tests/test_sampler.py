@@ -15,6 +15,7 @@ import time
 import types
 
 import gevent
+import greenlet
 import pytest
 from gevent import pywsgi
 
@@ -62,6 +63,16 @@ def child_burn(n):
     return burn_cpu(n)
 
 
+def switched_to_burn():
+    return burn_cpu(20)
+
+
+def outer_switcher():
+    """Switches straight to a new raw greenlet: its first frame's caller,
+    as CPython links it, is this frame of another greenlet."""
+    greenlet.greenlet(switched_to_burn).switch()
+
+
 def deep(n, work):
     """A recursion whose depth varies: a distinct stack per n."""
     if n <= 0:
@@ -77,6 +88,8 @@ def app(environ, start_response):
         burn_no_lines(20)
     elif path.startswith("/child/"):
         gevent.spawn(child_burn, 20).join()
+    elif path.startswith("/cross/"):
+        outer_switcher()
     elif path.startswith("/deep/"):
         deep(int(path.rsplit("/", 1)[1]) % 30, 12)
     else:
@@ -237,6 +250,28 @@ def test_frames_without_line_numbers_are_written(server, fresh_sampler,
     path = tmp_path / "stacks.pb.gz"
     assert mw.write_pprof(path) > 0
     assert "burn_no_lines" in pprof_tool(path, "-top")
+
+
+def test_a_greenlets_stack_ends_at_its_first_frame(server, fresh_sampler):
+    # A greenlet's sampled stack is its own: not the frames of the
+    # greenlet that first switched to it (3.11+ links them; walking into
+    # them read frames that had returned, a crash under load).
+    mw, port = server(stack_hz=HZ)
+    load([port], ["/cross/%d"] * 6)
+    sampler.stop()
+    stacks = [[name for name, _, _ in frames]
+              for _, frames, _ in sampler.samples()
+              if any(f[0].endswith("switched_to_burn") for f in frames)]
+    assert stacks, sampler.samples()
+    for names in stacks:
+        assert names[-1] == "test_sampler.switched_to_burn", names
+        assert "test_sampler.outer_switcher" not in names, names
+    if sys.version_info >= (3, 11):
+        # Every walk stopped at its greenlet's first frame, found by where
+        # CPython puts it, never by following the link out of it (these
+        # stacks are far shallower than the 64 frames kept).
+        st = sampler.stats()
+        assert st["samples"] > 0 and st["at_base"] == st["samples"], st
 
 
 def test_a_failed_write_pprof_leaves_no_file_behind(server, fresh_sampler,

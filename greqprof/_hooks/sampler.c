@@ -40,7 +40,7 @@ static PyObject *smp_no_request, *smp_other, *smp_path_str, *smp_route_str,
     *smp_final_str, *smp_greenlet_str;
 static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
-    smp_truncated;
+    smp_truncated, smp_at_base;
 
 static void smp_drop(int i)
 {
@@ -346,6 +346,41 @@ static int smp_line(PyFrameObject *f, PyCodeObject *co, int *own)
     return line;
 }
 
+#if PY_VERSION_HEX >= 0x030B0000
+/* Where a greenlet's stack ends (3.11+).  greenlet gives each greenlet a
+ * data stack of its own, but the first frame it runs keeps as `previous`
+ * the frame that was current where it was first switched to: another
+ * greenlet's, which may have returned since (its memory reused or freed;
+ * walking on from there crashed under load).  That first frame is the
+ * first one of the greenlet's root chunk: CPython puts it at data[1]
+ * ("skipping over the first element" of a chunk without a previous one,
+ * 3.11 to 3.13).  The frame object's layout up to f_frame is the same in
+ * 3.11 to 3.13 (not public API: read, never written). */
+typedef struct {
+    PyObject_HEAD
+    PyFrameObject *f_back;
+    void *f_frame;
+} smp_frame_head;
+
+static void *smp_base_frame(PyThreadState *ts)
+{
+    _PyStackChunk *c = ts->datastack_chunk;
+    while (c && c->previous) {
+        c = c->previous;
+    }
+    return c ? (void *)&c->data[1] : NULL;
+}
+
+static int smp_is_base(PyFrameObject *f, void *base)
+{
+    return base && ((smp_frame_head *)f)->f_frame == base;
+}
+#else
+/* (3.10: frames are objects linked by strong references) */
+#define smp_base_frame(ts) NULL
+#define smp_is_base(f, base) 0
+#endif
+
 /* One sample of watched thread i (GIL held); 0, or -1 when the entry
  * was dropped (its thread or hooks are gone). */
 static int smp_sample(int i)
@@ -384,6 +419,8 @@ static int smp_sample(int i)
     PyObject *codes[GQP_SMP_DEPTH];
     int lines[GQP_SMP_DEPTH];
     int n = 0;
+    void *base = smp_base_frame(ts);
+    int at_base = 0;
     while (f && n < GQP_SMP_DEPTH) {
         PyCodeObject *co = PyFrame_GetCode(f);
         int own = 0;
@@ -395,7 +432,13 @@ static int smp_sample(int i)
             lines[n] = line;
             n++;
         }
-        PyFrameObject *back = PyFrame_GetBack(f);
+        /* (not past the greenlet's first frame: see smp_base_frame) */
+        PyFrameObject *back = NULL;
+        if (smp_is_base(f, base)) {
+            at_base = 1;
+        } else {
+            back = PyFrame_GetBack(f);
+        }
         Py_DECREF(f);
         f = back;
     }
@@ -419,6 +462,7 @@ static int smp_sample(int i)
     if (n) {
         smp_count(route, id);
         smp_samples++;
+        smp_at_base += at_base;
     } else {
         smp_skipped++;
     }
@@ -510,6 +554,7 @@ static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
     smp_max_frames = mf;
     smp_max_keys = mk;
     smp_ticks = smp_samples = smp_idle = smp_skipped = smp_truncated = 0;
+    smp_at_base = 0;
     Py_RETURN_NONE;
 }
 
@@ -583,10 +628,10 @@ static PyObject *smp_stats_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{sKsKsKsKsKsi}", "ticks", smp_ticks,
+    return Py_BuildValue("{sKsKsKsKsKsKsi}", "ticks", smp_ticks,
                          "samples", smp_samples, "idle", smp_idle,
                          "skipped", smp_skipped, "truncated", smp_truncated,
-                         "threads", smp_n);
+                         "at_base", smp_at_base, "threads", smp_n);
 }
 
 static PyMethodDef smp_defs[] = {
