@@ -411,8 +411,17 @@ static int smp_sample(int i)
         smp_idle++;   /* the hub: waiting for I/O or running callbacks */
         return 0;
     }
+    /* No collection while the stack is walked and its greenlet (key, a
+     * borrowed pointer) is looked at: the frame objects made here could
+     * start one, whose finalizers run Python, which hands the GIL over;
+     * the sampled thread could then end that greenlet or pop its frames
+     * under the walk. */
+    int gc_was = PyGC_Disable();
     PyFrameObject *f = PyThreadState_GetFrame(ts);
     if (!f) {
+        if (gc_was) {
+            PyGC_Enable();
+        }
         smp_skipped++;
         return 0;
     }
@@ -451,6 +460,9 @@ static int smp_sample(int i)
     PyObject *route = smp_route(st, by_addr, (PyObject *)(uintptr_t)key,
                                 gid, p);
     st_leave(st);
+    if (gc_was) {
+        PyGC_Enable();
+    }
     Py_XDECREF(by_addr);
     long id = n ? smp_stack_id(codes, lines, n) : 0;
     if (n && !id) {
