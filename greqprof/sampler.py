@@ -135,9 +135,7 @@ def reset():
 
 def stats():
     """The sampler's counters: ticks, samples, idle (the hub ran),
-    skipped, truncated (counted under <other>), at_base (walks stopped
-    at the greenlet's first frame, 3.11+: see _hooks/sampler.c), threads
-    watched."""
+    skipped, truncated (counted under <other>), threads watched."""
     return _registry.sampler_stats()
 
 

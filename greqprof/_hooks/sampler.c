@@ -27,11 +27,36 @@ static gqp_smp_watch smp_watched[GQP_SMP_THREADS];
 static int smp_n;
 static uint64_t smp_gen;          /* bumped by stop/reset: a loop ends */
 /* Set by sampler_setup (greqprof/sampler.py's table): */
-static PyObject *smp_counts;      /* (route, stack id) -> samples */
-static PyObject *smp_ids;         /* stack hash -> stack id */
-static PyObject *smp_stacks;      /* list: stack id -> frame ids (bytes) */
-static PyObject *smp_frames;      /* list: frame id -> (code, line) */
-static PyObject *smp_frame_ids;   /* (code address, line) -> frame id */
+typedef struct {
+    PyObject *counts;     /* (route, stack id) -> samples */
+    PyObject *ids;        /* stack hash -> stack id */
+    PyObject *stacks;     /* list: stack id -> frame ids (bytes) */
+    PyObject *frames;     /* list: frame id -> (code, line) */
+    PyObject *frame_ids;  /* (code address, line) -> frame id */
+} smp_table;
+/* (a tick holds the one it counts into: a reset meanwhile, while Python
+ * runs, does not mix two tables' ids) */
+static smp_table smp_tab;
+
+static smp_table smp_table_hold(void)
+{
+    smp_table t = smp_tab;
+    Py_XINCREF(t.counts);
+    Py_XINCREF(t.ids);
+    Py_XINCREF(t.stacks);
+    Py_XINCREF(t.frames);
+    Py_XINCREF(t.frame_ids);
+    return t;
+}
+
+static void smp_table_drop(smp_table *t)
+{
+    Py_XDECREF(t->counts);
+    Py_XDECREF(t->ids);
+    Py_XDECREF(t->stacks);
+    Py_XDECREF(t->frames);
+    Py_XDECREF(t->frame_ids);
+}
 static PyObject *smp_routes;      /* path -> route (a cache) */
 static PyObject *smp_route_fn;    /* path -> route, Python */
 static PyObject *smp_names;       /* name the app gave -> cleaned (a cache) */
@@ -40,7 +65,7 @@ static PyObject *smp_no_request, *smp_other, *smp_path_str, *smp_route_str,
     *smp_final_str, *smp_greenlet_str;
 static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
-    smp_truncated, smp_at_base;
+    smp_truncated;
 
 static void smp_drop(int i)
 {
@@ -84,43 +109,53 @@ static PyObject *smp_cached(PyObject *cache, PyObject *fn, PyObject *value)
     return v;
 }
 
-/* The route of the running greenlet g (key/gid/p from the tracer): the
- * one the app named for its request (set_route, a framework hook: see
- * smp_name_py) as soon as it did, else its path's; its sampled request's,
- * else the noted request of it or its spawners.  A new reference. */
-static PyObject *smp_route(gqp_py_thread *st, PyObject *by_addr,
-                           PyObject *g, uint64_t gid, gqp_profile *p)
+/* What names the route of the running greenlet g (key/gid/p from the
+ * tracer): *name, the one the app gave its request (set_route, a
+ * framework hook: see smp_name_py) as soon as it did, else *path, its
+ * request's path; its sampled request's, else the noted request of it or
+ * its spawners.  New references or NULL.  Runs no Python (C attributes,
+ * dicts keyed by ints): nothing else runs meanwhile, so the borrowed g
+ * stays alive. */
+static void smp_route_source(gqp_py_thread *st, PyObject *by_addr,
+                             PyObject *g, uint64_t gid, gqp_profile *p,
+                             PyObject **name, PyObject **path)
 {
-    PyObject *name = NULL, *path = NULL;
+    *name = *path = NULL;
     if (p && by_addr) {
         PyObject *k = PyLong_FromVoidPtr(p);
         PyObject *req = k ? PyDict_GetItemWithError(by_addr, k) : NULL;
         Py_XDECREF(k);
         if (req) {
             Py_INCREF(req);
-            name = PyObject_GetAttr(req, smp_route_str);
-            if (!name || !PyUnicode_Check(name)) {
+            *name = PyObject_GetAttr(req, smp_route_str);
+            if (!*name || !PyUnicode_Check(*name)) {
                 /* (once its response ended: the route it was counted
                  * under, for what its greenlets still run) */
-                Py_XSETREF(name, PyObject_GetAttr(req, smp_final_str));
+                Py_XSETREF(*name, PyObject_GetAttr(req, smp_final_str));
             }
-            if (!name || !PyUnicode_Check(name)) {
-                Py_CLEAR(name);
+            if (!*name || !PyUnicode_Check(*name)) {
+                Py_CLEAR(*name);
                 PyErr_Clear();
-                path = PyObject_GetAttr(req, smp_path_str);
+                *path = PyObject_GetAttr(req, smp_path_str);
             }
             Py_DECREF(req);
         }
         PyErr_Clear();
     }
-    if (!name && !path) {
+    if (!*name && !*path) {
         PyObject *chain = spawner_chain(st, g, gid);
         if (chain) {
-            note_route_find(st, chain, &name, &path);
+            note_route_find(st, chain, name, path);
         }
         Py_XDECREF(chain);
         PyErr_Clear();
     }
+}
+
+/* The route named by smp_route_source's name or path (steals both): a
+ * new reference.  Naming one not seen before runs Python. */
+static PyObject *smp_route_named(PyObject *name, PyObject *path)
+{
     PyObject *route;
     if (name && PyUnicode_Check(name)) {
         route = smp_cached(smp_names, smp_name_fn, name);   /* cleaned */
@@ -177,10 +212,10 @@ static PyObject *smp_name_py(PyObject *self, PyObject *name)
     return PyBool_FromLong(done);
 }
 
-/* The id of frame (code, line), interned in smp_frames; -1 when the
+/* The id of frame (code, line), interned in t->frames; -1 when the
  * table of frames is full.  The entry holds the code object: its address
  * stays its own while the entry exists. */
-static long smp_frame_id(PyObject *code, int line)
+static long smp_frame_id(smp_table *t, PyObject *code, int line)
 {
     /* (only for a stack not seen before: two ints are cheap enough) */
     PyObject *key = Py_BuildValue("(Ki)",
@@ -190,15 +225,15 @@ static long smp_frame_id(PyObject *code, int line)
         return -1;
     }
     long id = -1;
-    PyObject *v = PyDict_GetItemWithError(smp_frame_ids, key);
+    PyObject *v = PyDict_GetItemWithError(t->frame_ids, key);
     if (v) {
         id = PyLong_AsLong(v);
     } else if (!PyErr_Occurred() &&
-               PyList_GET_SIZE(smp_frames) < smp_max_frames) {
+               PyList_GET_SIZE(t->frames) < smp_max_frames) {
         PyObject *fl = Py_BuildValue("(Oi)", code, line);
-        PyObject *idv = PyLong_FromSsize_t(PyList_GET_SIZE(smp_frames));
-        if (fl && idv && PyList_Append(smp_frames, fl) == 0 &&
-            PyDict_SetItem(smp_frame_ids, key, idv) == 0) {
+        PyObject *idv = PyLong_FromSsize_t(PyList_GET_SIZE(t->frames));
+        if (fl && idv && PyList_Append(t->frames, fl) == 0 &&
+            PyDict_SetItem(t->frame_ids, key, idv) == 0) {
             id = PyLong_AsLong(idv);
         }
         Py_XDECREF(fl);
@@ -211,7 +246,8 @@ static long smp_frame_id(PyObject *code, int line)
 
 /* 1 when stack entry s (packed uint32 frame ids, leaf first) is the
  * stack codes/lines. */
-static int smp_same_stack(PyObject *s, PyObject **codes, int *lines, int n)
+static int smp_same_stack(smp_table *t, PyObject *s, PyObject **codes,
+                          int *lines, int n)
 {
     if (!PyBytes_Check(s) || PyBytes_GET_SIZE(s) != (Py_ssize_t)n * 4) {
         return 0;
@@ -220,10 +256,10 @@ static int smp_same_stack(PyObject *s, PyObject **codes, int *lines, int n)
     for (int i = 0; i < n; i++) {
         uint32_t fid;
         memcpy(&fid, ids + 4 * i, 4);
-        if (fid >= (uint32_t)PyList_GET_SIZE(smp_frames)) {
+        if (fid >= (uint32_t)PyList_GET_SIZE(t->frames)) {
             return 0;
         }
-        PyObject *fl = PyList_GET_ITEM(smp_frames, fid);
+        PyObject *fl = PyList_GET_ITEM(t->frames, fid);
         if (PyTuple_GET_ITEM(fl, 0) != codes[i] ||
             PyLong_AsLong(PyTuple_GET_ITEM(fl, 1)) != lines[i]) {
             return 0;
@@ -236,7 +272,8 @@ static int smp_same_stack(PyObject *s, PyObject **codes, int *lines, int n)
  * tables are full.  A stack is kept as its frames' ids (4 bytes each),
  * found by a hash of its code objects and lines and checked frame by
  * frame. */
-static long smp_stack_id(PyObject **codes, int *lines, int n)
+static long smp_stack_id(smp_table *t, PyObject **codes, int *lines,
+                         int n)
 {
     uint64_t h = 1469598103934665603ULL;
     for (int i = 0; i < n; i++) {
@@ -249,30 +286,30 @@ static long smp_stack_id(PyObject **codes, int *lines, int n)
         return 0;
     }
     long id = 0;
-    PyObject *v = PyDict_GetItemWithError(smp_ids, key);
+    PyObject *v = PyDict_GetItemWithError(t->ids, key);
     if (v) {
         id = PyLong_AsLong(v);
-        if (id <= 0 || id >= PyList_GET_SIZE(smp_stacks) ||
-            !smp_same_stack(PyList_GET_ITEM(smp_stacks, id), codes, lines,
+        if (id <= 0 || id >= PyList_GET_SIZE(t->stacks) ||
+            !smp_same_stack(t, PyList_GET_ITEM(t->stacks, id), codes, lines,
                             n)) {
             id = 0;   /* (a 64-bit hash collision: counted as <other>) */
         }
     } else if (!PyErr_Occurred() &&
-               PyList_GET_SIZE(smp_stacks) <= smp_max_stacks) {
+               PyList_GET_SIZE(t->stacks) <= smp_max_stacks) {
         uint32_t fids[GQP_SMP_DEPTH];
         int ok = 1;
         for (int i = 0; i < n && ok; i++) {
-            long f = smp_frame_id(codes[i], lines[i]);
+            long f = smp_frame_id(t, codes[i], lines[i]);
             ok = f >= 0;
             fids[i] = (uint32_t)f;
         }
         PyObject *s = ok ? PyBytes_FromStringAndSize((const char *)fids,
                                                      (Py_ssize_t)n * 4)
                          : NULL;
-        PyObject *idv = s ? PyLong_FromSsize_t(PyList_GET_SIZE(smp_stacks))
+        PyObject *idv = s ? PyLong_FromSsize_t(PyList_GET_SIZE(t->stacks))
                           : NULL;
-        if (idv && PyList_Append(smp_stacks, s) == 0 &&
-            PyDict_SetItem(smp_ids, key, idv) == 0) {
+        if (idv && PyList_Append(t->stacks, s) == 0 &&
+            PyDict_SetItem(t->ids, key, idv) == 0) {
             id = PyLong_AsLong(idv);
         }
         Py_XDECREF(idv);
@@ -283,21 +320,21 @@ static long smp_stack_id(PyObject **codes, int *lines, int n)
     return id;
 }
 
-static void smp_count(PyObject *route, long id)
+static void smp_count(smp_table *t, PyObject *route, long id)
 {
     PyObject *key = Py_BuildValue("(Ol)", route, id);
-    PyObject *old = key ? PyDict_GetItemWithError(smp_counts, key) : NULL;
+    PyObject *old = key ? PyDict_GetItemWithError(t->counts, key) : NULL;
     if (!old && key && !PyErr_Occurred() &&
-        PyDict_GET_SIZE(smp_counts) >= smp_max_keys) {
+        PyDict_GET_SIZE(t->counts) >= smp_max_keys) {
         Py_DECREF(key);
         key = Py_BuildValue("(Ol)", smp_other, 0L);
-        old = key ? PyDict_GetItemWithError(smp_counts, key) : NULL;
+        old = key ? PyDict_GetItemWithError(t->counts, key) : NULL;
         smp_truncated++;
     }
     long long n = old ? PyLong_AsLongLong(old) : 0;
     PyObject *v = key ? PyLong_FromLongLong(n + 1) : NULL;
     if (v) {
-        PyDict_SetItem(smp_counts, key, v);
+        PyDict_SetItem(t->counts, key, v);
     }
     Py_XDECREF(v);
     Py_XDECREF(key);
@@ -346,41 +383,6 @@ static int smp_line(PyFrameObject *f, PyCodeObject *co, int *own)
     return line;
 }
 
-#if PY_VERSION_HEX >= 0x030B0000
-/* Where a greenlet's stack ends (3.11+).  greenlet gives each greenlet a
- * data stack of its own, but the first frame it runs keeps as `previous`
- * the frame that was current where it was first switched to: another
- * greenlet's, which may have returned since (its memory reused or freed;
- * walking on from there crashed under load).  That first frame is the
- * first one of the greenlet's root chunk: CPython puts it at data[1]
- * ("skipping over the first element" of a chunk without a previous one,
- * 3.11 to 3.13).  The frame object's layout up to f_frame is the same in
- * 3.11 to 3.13 (not public API: read, never written). */
-typedef struct {
-    PyObject_HEAD
-    PyFrameObject *f_back;
-    void *f_frame;
-} smp_frame_head;
-
-static void *smp_base_frame(PyThreadState *ts)
-{
-    _PyStackChunk *c = ts->datastack_chunk;
-    while (c && c->previous) {
-        c = c->previous;
-    }
-    return c ? (void *)&c->data[1] : NULL;
-}
-
-static int smp_is_base(PyFrameObject *f, void *base)
-{
-    return base && ((smp_frame_head *)f)->f_frame == base;
-}
-#else
-/* (3.10: frames are objects linked by strong references) */
-#define smp_base_frame(ts) NULL
-#define smp_is_base(f, base) 0
-#endif
-
 /* One sample of watched thread i (GIL held); 0, or -1 when the entry
  * was dropped (its thread or hooks are gone). */
 static int smp_sample(int i)
@@ -411,11 +413,12 @@ static int smp_sample(int i)
         smp_idle++;   /* the hub: waiting for I/O or running callbacks */
         return 0;
     }
-    /* No collection while the stack is walked and its greenlet (key, a
-     * borrowed pointer) is looked at: the frame objects made here could
-     * start one, whose finalizers run Python, which hands the GIL over;
-     * the sampled thread could then end that greenlet or pop its frames
-     * under the walk. */
+    /* From here until the route's source is found no Python runs, so the
+     * sampled thread stays where it is: its frames and its greenlet (key,
+     * a borrowed pointer) cannot go.  Without this, the frame objects the
+     * walk makes started collections here, whose finalizers ran Python,
+     * which handed the GIL to the sampled thread mid-walk: a crash within
+     * seconds under tests/test_sampler.py's collection stress. */
     int gc_was = PyGC_Disable();
     PyFrameObject *f = PyThreadState_GetFrame(ts);
     if (!f) {
@@ -428,8 +431,6 @@ static int smp_sample(int i)
     PyObject *codes[GQP_SMP_DEPTH];
     int lines[GQP_SMP_DEPTH];
     int n = 0;
-    void *base = smp_base_frame(ts);
-    int at_base = 0;
     while (f && n < GQP_SMP_DEPTH) {
         PyCodeObject *co = PyFrame_GetCode(f);
         int own = 0;
@@ -441,30 +442,25 @@ static int smp_sample(int i)
             lines[n] = line;
             n++;
         }
-        /* (not past the greenlet's first frame: see smp_base_frame) */
-        PyFrameObject *back = NULL;
-        if (smp_is_base(f, base)) {
-            at_base = 1;
-        } else {
-            back = PyFrame_GetBack(f);
-        }
+        /* (a greenlet's first frame has no caller: greenlet starts each
+         * one with no current frame) */
+        PyFrameObject *back = PyFrame_GetBack(f);
         Py_DECREF(f);
         f = back;
     }
     Py_XDECREF(f);
-    /* The route first: naming a new path runs Python, which may end the
-     * request or stop the hooks (the code objects, the state and the
-     * engine's dict are held meanwhile; a reset may drop w). */
-    PyObject *by_addr = Py_XNewRef(w->by_addr);
-    st_enter(st);
-    PyObject *route = smp_route(st, by_addr, (PyObject *)(uintptr_t)key,
-                                gid, p);
-    st_leave(st);
+    PyObject *name, *path;
+    smp_route_source(st, w->by_addr, (PyObject *)(uintptr_t)key, gid, p,
+                     &name, &path);
     if (gc_was) {
         PyGC_Enable();
     }
-    Py_XDECREF(by_addr);
-    long id = n ? smp_stack_id(codes, lines, n) : 0;
+    /* Naming a new path or name runs Python, which may end the request,
+     * stop the hooks, or reset the watch list (w): nothing of the sampled
+     * thread is used after it (the code objects are held). */
+    PyObject *route = smp_route_named(name, path);
+    smp_table t = smp_table_hold();
+    long id = n ? smp_stack_id(&t, codes, lines, n) : 0;
     if (n && !id) {
         smp_truncated++;
     }
@@ -472,12 +468,12 @@ static int smp_sample(int i)
         Py_DECREF(codes[j]);
     }
     if (n) {
-        smp_count(route, id);
+        smp_count(&t, route, id);
         smp_samples++;
-        smp_at_base += at_base;
     } else {
         smp_skipped++;
     }
+    smp_table_drop(&t);
     Py_DECREF(route);
     return 0;
 }
@@ -485,7 +481,7 @@ static int smp_sample(int i)
 static void smp_tick(void)
 {
     smp_ticks++;
-    if (!smp_counts) {
+    if (!smp_tab.counts) {
         return;
     }
     for (int i = 0; i < smp_n;) {
@@ -555,8 +551,9 @@ static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
         PyErr_SetString(PyExc_TypeError, "sampler_setup: bad arguments");
         return NULL;
     }
-    PyObject **slots[] = {&smp_counts, &smp_ids, &smp_stacks, &smp_frames,
-                          &smp_frame_ids, &smp_routes, &smp_route_fn,
+    PyObject **slots[] = {&smp_tab.counts, &smp_tab.ids, &smp_tab.stacks,
+                          &smp_tab.frames, &smp_tab.frame_ids, &smp_routes,
+                          &smp_route_fn,
                           &smp_names, &smp_name_fn, &smp_no_request,
                           &smp_other};
     for (int i = 0; i < 11; i++) {
@@ -566,7 +563,6 @@ static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
     smp_max_frames = mf;
     smp_max_keys = mk;
     smp_ticks = smp_samples = smp_idle = smp_skipped = smp_truncated = 0;
-    smp_at_base = 0;
     Py_RETURN_NONE;
 }
 
@@ -640,10 +636,10 @@ static PyObject *smp_stats_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{sKsKsKsKsKsKsi}", "ticks", smp_ticks,
+    return Py_BuildValue("{sKsKsKsKsKsi}", "ticks", smp_ticks,
                          "samples", smp_samples, "idle", smp_idle,
                          "skipped", smp_skipped, "truncated", smp_truncated,
-                         "at_base", smp_at_base, "threads", smp_n);
+                         "threads", smp_n);
 }
 
 static PyMethodDef smp_defs[] = {
