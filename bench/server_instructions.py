@@ -97,7 +97,10 @@ def measure(config, requests, conns, warmup, tmp, cache_sim=False):
     try:
         port = bu.read_port(proc, 120)
         if port is None:
-            raise RuntimeError("the server under valgrind did not start")
+            raise RuntimeError(
+                "the server under valgrind did not start in 120 s (%s): "
+                "`python bench/_load_server.py --config '%s'` shows why"
+                % (config, config))
         _load(port, max(conns, warmup), conns)   # warm-up: caches, engine
         time.sleep(0.5)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)],

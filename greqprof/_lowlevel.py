@@ -1,6 +1,7 @@
 """Thin private layer over greqprof._core: one Python call per C call, every
 error code turned into an exception by ``_check``, handles freed by ``ffi.gc``.
 Nothing here runs per greenlet switch or per function call."""
+import struct
 import sys
 
 from . import _registry
@@ -93,6 +94,17 @@ class ClockOrigin:
         return (self.epoch_origin + (wall_ns - self.wall_origin)) * NS
 
 
+# gqp_func_stat and gqp_edge_stat rows, unpacked whole (a calls=True
+# profile has a row per function and per edge: reading each field through
+# cffi cost ~30k instructions a sample)
+_FUNC_ROW = struct.Struct("=QQQqq")
+_EDGE_ROW = struct.Struct("=QQQQqq")
+if (ffi.sizeof("gqp_func_stat"), ffi.sizeof("gqp_edge_stat")) != \
+        (_FUNC_ROW.size, _EDGE_ROW.size):
+    raise ImportError("greqprof: the library's gqp_func_stat/gqp_edge_stat "
+                      "are not the rows _lowlevel reads")
+
+
 class _ProfileReaders:
     """The readers of a profile, over ``self.ptr`` (cffi): shared by
     RawProfile and RequestRawProfile."""
@@ -132,18 +144,20 @@ class _ProfileReaders:
                 out.flags, out.tag)
 
     def funcs(self):
+        """[(key, ncall, nactual, ttot_ns, tsub_ns)]"""
         n = lib.gqp_profile_func_count(self.ptr)
         buf = ffi.new("gqp_func_stat[]", max(n, 1))
         got = lib.gqp_py_read_funcs(self.ptr, buf, n)
-        return [(f.key, f.ncall, f.nactual, f.ttot_ns, f.tsub_ns)
-                for f in buf[0:got]]
+        return list(_FUNC_ROW.iter_unpack(ffi.buffer(buf,
+                                                     got * _FUNC_ROW.size)))
 
     def edges(self):
+        """[(caller_key, callee_key, ncall, nactual, ttot_ns, tsub_ns)]"""
         n = lib.gqp_profile_edge_count(self.ptr)
         buf = ffi.new("gqp_edge_stat[]", max(n, 1))
         got = lib.gqp_py_read_edges(self.ptr, buf, n)
-        return [(e.caller_key, e.callee_key, e.ncall, e.nactual, e.ttot_ns,
-                 e.tsub_ns) for e in buf[0:got]]
+        return list(_EDGE_ROW.iter_unpack(ffi.buffer(buf,
+                                                     got * _EDGE_ROW.size)))
 
     def greenlets(self):
         n = lib.gqp_profile_greenlet_count(self.ptr)
