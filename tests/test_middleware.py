@@ -89,8 +89,18 @@ def request_bytes(target, method="GET", headers=()):
     return out + b"\r\n"
 
 
-def connect(port):
-    s = gsocket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+def connect(port, timeout=DEADLINE):
+    """A gevent socket connected to 127.0.0.1:port.  (Not
+    create_connection: it looks up even an IP address, in gevent's resolver
+    threadpool, which with several hubs and a 1 us switch interval took
+    over 10 s at times; connect() takes an address as it is.)"""
+    s = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(("127.0.0.1", port))
+    except BaseException:
+        s.close()
+        raise
     return s
 
 

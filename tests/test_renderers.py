@@ -20,7 +20,6 @@ import time
 from dataclasses import replace
 
 import gevent
-import gevent.socket as gsocket
 import pytest
 from gevent import pywsgi
 
@@ -35,6 +34,7 @@ from greqprof.renderers.files import ProfileWriter, sanitize_path
 from greqprof.renderers.html import fill, script_json
 from greqprof.renderers.pstats_renderer import stats_dict
 from greqprof.renderers.speedscope import call_tree_samples
+from test_middleware import connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,7 +147,7 @@ def _app(environ, start_response):
 
 
 def _get(port, target):
-    s = gsocket.create_connection(("127.0.0.1", port), timeout=10)
+    s = connect(port, 10)
     try:
         s.sendall(b"GET " + target.encode("latin-1") +
                   b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
