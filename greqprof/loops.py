@@ -59,10 +59,12 @@ def _live(ref):
     return None if eng is None or eng.abandoned else eng
 
 
-def drain_loop(mw, ref):
+def drain_loop(mw_ref, ref):
     """Reports blocking spans of greenlets outside requests, once a
     second (requests drain at their end), and the routes summary line
-    when it is due."""
+    when it is due.  Holds its middleware weakly, as its engine: in a
+    thread that ended, this greenlet is never resumed, and what it held
+    (the middleware, its sink and what that keeps) stayed alive."""
     import gevent
     while _live(ref) is not None:
         # (ref=False: this timer alone does not keep the loop running;
@@ -72,6 +74,11 @@ def drain_loop(mw, ref):
         eng = _live(ref)
         if eng is None:
             return
+        # (the engine's other middlewares when the first one is gone)
+        mw = mw_ref() or next(iter(list(eng.middlewares)), None)
+        if mw is None:
+            eng.drain_started = False   # (the next middleware starts one)
+            return
         try:
             blocking.drain(mw, eng)
             for m in list(eng.middlewares) or [mw]:
@@ -79,7 +86,7 @@ def drain_loop(mw, ref):
                 m._routes_tick()
         except Exception as e:
             mw._internal_error("drain", e)
-        del eng
+        del eng, mw   # (not held while suspended)
 
 
 def start_reaper(mw, eng):
@@ -99,7 +106,7 @@ def start_drain_loop(mw, eng):
         import gevent
         # Spawned from the hub so it belongs to no request.
         gevent.get_hub().loop.run_callback(
-            gevent.spawn, drain_loop, mw, weakref.ref(eng))
+            gevent.spawn, drain_loop, weakref.ref(mw), weakref.ref(eng))
     except Exception as e:
         mw._internal_error("drain", e)
 

@@ -155,6 +155,28 @@ def test_thread_ending_with_a_sink_that_switches():
     assert mw._open == 0 and mw.stats["errors"] == 0
 
 
+def test_a_middleware_whose_thread_ended_is_freed():
+    """The threads that served a middleware end, and the app drops it: the
+    middleware, its sink and what the sink kept are freed.  (Before: the
+    drain loop's greenlet, never resumed in a thread that ended, held the
+    middleware, so it and every profile its sink kept stayed alive.)"""
+    import weakref
+    sink = _Sink()
+    mw = ProfilingMiddleware(_ok_app, pct=1.0, report=False, sink=sink,
+                             blocking_ms=100)
+    for i in range(2):
+        t = threading.Thread(target=_http_get_ok, args=(mw, "/x", "r%d" % i))
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+    assert sorted(sink.ids) == ["r0", "r1"]
+    refs = [weakref.ref(mw), weakref.ref(sink)]
+    del mw, sink
+    for _ in range(3):
+        gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_many_threads_ending_with_queued_requests_keep_sampling():
     """More threads than max_open end with a request queued each: the
     slots all come back."""
