@@ -74,18 +74,17 @@ def drain_loop(mw_ref, ref):
         eng = _live(ref)
         if eng is None:
             return
-        # (the engine's other middlewares when the first one is gone)
+        # (the engine's other middlewares when the first one is gone; with
+        # none, it waits for one: it lives as long as its engine, as before)
         mw = mw_ref() or next(iter(list(eng.middlewares)), None)
-        if mw is None:
-            eng.drain_started = False   # (the next middleware starts one)
-            return
-        try:
-            blocking.drain(mw, eng)
-            for m in list(eng.middlewares) or [mw]:
-                blocking.log_summaries(m)
-                m._routes_tick()
-        except Exception as e:
-            mw._internal_error("drain", e)
+        if mw is not None:
+            try:
+                blocking.drain(mw, eng)
+                for m in list(eng.middlewares) or [mw]:
+                    blocking.log_summaries(m)
+                    m._routes_tick()
+            except Exception as e:
+                mw._internal_error("drain", e)
         del eng, mw   # (not held while suspended)
 
 
