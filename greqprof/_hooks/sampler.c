@@ -57,6 +57,7 @@ static void smp_table_drop(smp_table *t)
     Py_XDECREF(t->frames);
     Py_XDECREF(t->frame_ids);
 }
+
 static PyObject *smp_routes;      /* path -> route (a cache) */
 static PyObject *smp_route_fn;    /* path -> route, Python */
 static PyObject *smp_names;       /* name the app gave -> cleaned (a cache) */
