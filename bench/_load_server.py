@@ -32,6 +32,7 @@ factory::
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
 Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
+gqp-disabled (GREQPROF_ENABLED=0), gqp-0pct-noblocking (no switch hook),
 gqp-0pct-noroutes (pct=0 without the per-route counting), gqp-5pct,
 gqp-100pct (report=False), gqp-0pct-stack100 and gqp-5pct-stack100 (the
 stack sampler at 100 Hz, the default), gqp-0pct-nostack (stack_hz=0),
@@ -158,6 +159,15 @@ def _greqprof(**kw):
     return wrap
 
 
+def _greqprof_disabled(app):
+    # (GREQPROF_ENABLED=0, the kill switch: greqprof imported, its C
+    # __call__ passing each request straight to the app; this process
+    # serves one configuration)
+    os.environ["GREQPROF_ENABLED"] = "0"
+    from greqprof import ProfilingMiddleware
+    return ProfilingMiddleware(app)
+
+
 def _greqprof_no_routes(**kw):
     # (the per-route counting switched off: what it costs, side by side)
     def wrap(app):
@@ -279,6 +289,13 @@ CONFIGS = {
     "bare": ("bare app", lambda app: app),
     "gqp-0pct": ("greqprof pct=0 (blocking detection only)",
                  _greqprof(pct=0.0)),
+    "gqp-disabled": ("greqprof enabled=False (GREQPROF_ENABLED=0): "
+                     "imported, every request passed straight to the app",
+                     _greqprof_disabled),
+    "gqp-0pct-noblocking": ("greqprof pct=0 stack_hz=0 blocking_ms=None: the "
+                            "C request path and the per-route counting, no "
+                            "switch hook",
+                            _greqprof(pct=0.0, stack_hz=0, blocking_ms=None)),
     "gqp-0pct-noroutes": ("greqprof pct=0, requests not counted by route",
                           _greqprof_no_routes(pct=0.0)),
     "gqp-5pct": ("greqprof pct=0.05 (spans), report=False",

@@ -61,7 +61,8 @@ URL_PATH = "/hello?name=bench"
 APP_PATHS = {"hello": "/hello?name=bench", "api": "/api?page=2"}
 
 #: greqprof rows that sample no request (pct=0): any sample is an error
-NO_SAMPLING = {"gqp-0pct", "gqp-0pct-nostack", "gqp-0pct-noroutes"}
+NO_SAMPLING = {"gqp-0pct", "gqp-0pct-nostack", "gqp-0pct-noroutes",
+               "gqp-0pct-noblocking", "gqp-disabled"}
 #: greqprof targets: minimum median req/s ratio to the bare app
 TARGETS = {"gqp-5pct": 0.99, "gqp-100pct": 0.97,
            "gunicorn:gqp-5pct": 0.99,
@@ -92,6 +93,12 @@ CONFIGS = [
         "callback"),
     Cfg("gevent-monitor", "reference: gevent's monitor thread "
         "(monitor_thread=True, max_blocking_time=0.1), no profiler"),
+    Cfg("gqp-disabled", "reference: greqprof's kill switch "
+        "(GREQPROF_ENABLED=0): imported, its C __call__ passing each "
+        "request to the app"),
+    Cfg("gqp-0pct-noblocking", "greqprof pct=0, stack_hz=0, "
+        "blocking_ms=None: the C request path and the per-route counting, "
+        "no switch hook"),
     Cfg("gqp-0pct", "greqprof pct=0: blocking detection only (the path "
         "of unsampled requests)"),
     Cfg("gqp-0pct-nostack", "greqprof pct=0, stack_hz=0: without the "
