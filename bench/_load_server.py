@@ -31,7 +31,9 @@ factory::
 
     gunicorn -k gevent -w 1 --chdir bench '_load_server:build("gqp-5pct")'
 
-Configurations (see CONFIGS): bare, passthrough, settrace-noop, gqp-0pct,
+Configurations (see CONFIGS): bare, bare-imported and bare-imported-core
+(the bare app in a process that imported greqprof, or only its C core),
+passthrough, settrace-noop, gqp-0pct,
 gqp-disabled (GREQPROF_ENABLED=0), gqp-0pct-noblocking (no switch hook),
 gqp-0pct-noroutes (pct=0 without the per-route counting), gqp-5pct,
 gqp-100pct (report=False), gqp-0pct-stack100 and gqp-5pct-stack100 (the
@@ -268,6 +270,15 @@ def _gevent_monitor(app):
     return app
 
 
+def _imported(name):
+    # (the app unwrapped, in a process that imported `name`: what a module
+    # costs by being there)
+    def wrap(app):
+        __import__(name)
+        return app
+    return wrap
+
+
 def _monitor_running():
     """True when gevent's monitor thread runs for this thread's hub."""
     from gevent._hub_local import get_hub_if_exists
@@ -287,6 +298,10 @@ def _yappi(app):
 #: key -> (label, wrapper)
 CONFIGS = {
     "bare": ("bare app", lambda app: app),
+    "bare-imported": ("bare app in a process that imported greqprof",
+                      _imported("greqprof")),
+    "bare-imported-core": ("bare app in a process that imported greqprof's "
+                           "C core only", _imported("greqprof._core")),
     "gqp-0pct": ("greqprof pct=0 (blocking detection only)",
                  _greqprof(pct=0.0)),
     "gqp-disabled": ("greqprof enabled=False (GREQPROF_ENABLED=0): "
