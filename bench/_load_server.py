@@ -298,6 +298,12 @@ def _yappi(app):
 #: key -> (label, wrapper)
 CONFIGS = {
     "bare": ("bare app", lambda app: app),
+    "c-passthrough": ("reference: the app behind a C callable "
+                      "(functools.partial)", lambda app: __import__(
+                          "functools").partial(app)),
+    "gqp-disabled-unused": ("reference: a disabled middleware built, the "
+                            "app served without it", lambda app: (
+                                _greqprof_disabled(app), app)[1]),
     "bare-imported": ("bare app in a process that imported greqprof",
                       _imported("greqprof")),
     "bare-imported-core": ("bare app in a process that imported greqprof's "
