@@ -908,7 +908,7 @@ GQP_API int gqp_tracer_switch(gqp_tracer *t, uint64_t from, uint64_t to,
     } else if (n->wait_pending) {
         end_wait(n, now);
     }
-    if (!narrow && (n->profile || (ev & GQP_EV_NEW_GREENLET))) {
+    if (!narrow && n->profile) {
         L = span_clock(t, now); /* (its span starts with the narrow one) */
     }
     start_span(t, n, now, L);
@@ -1317,7 +1317,18 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
         }
     }
     if (cg && cg != pg) {
-        set_profile(t, cg, p && !p->closed ? p : NULL);
+        gqp_profile *np = p && !p->closed ? p : NULL;
+        if (np && !cg->profile && cg == t->cur && t->wide) {
+            /* A new greenlet's span began with the wide window (most new
+             * greenlets are neighbours' while a sample is open: they do not
+             * read the clock); this one joins a profile, so its start is
+             * set on the narrow one now, less the wall time since, which
+             * it ran. */
+            int64_t now = wall_now(t);
+            int64_t ran = now - cg->span_start;
+            cg->span_cpu0 = span_clock(t, now) - (ran > 0 ? ran : 0);
+        }
+        set_profile(t, cg, np);
     }
     gqp_profile_free(p);
     return rc;

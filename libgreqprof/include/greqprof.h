@@ -360,9 +360,11 @@ typedef enum gqp_tracer_param {
      * greenlets attached to no profile while no default or session profile
      * is set (default 0: the same window).  A wider one spares them the
      * clock's system calls while a narrow window serves a profile's
-     * greenlets: the span of a greenlet in a profile, or of one seen for
-     * the first time, starts and ends with the narrow window.  May change
-     * at any time. */
+     * greenlets: the span of a greenlet in a profile starts and ends with
+     * the narrow window; a new greenlet's first span starts with the wide
+     * one and, when gqp_tracer_inherit gives it a profile, is set then
+     * on a reading of the clock less the wall time since it began.  May
+     * change at any time. */
     GQP_TRACER_CPU_WINDOW_OTHERS_NS = 8
 } gqp_tracer_param;
 

@@ -936,6 +936,55 @@ TEST(others_window_spares_clock_reads)
     gqp_profile_free(mine);
 }
 
+/* With the wider window in effect (a sample open beside greenlets in no
+ * profile), a new greenlet does not read the CPU clock for its first span
+ * unless it joins a profile: a neighbour's child costs no read, a child
+ * that inherits its parent's profile reads it then, and its span's CPU
+ * time is exact although the estimate ran ahead while the thread was off
+ * CPU. */
+TEST(others_window_new_greenlets_read_only_when_inheriting)
+{
+    const uint64_t KN = UINT64_C(0x7f0000004000);  /* a neighbour's child */
+    const uint64_t KC = UINT64_C(0x7f0000005000);  /* G's child */
+    fake_clock c;
+    gqp_profile *mine = new_profile();
+    fc_init(&c);
+    gqp_tracer *t = new_tracer(&c, GQP_CPU_ESTIMATE, GQP_CLOCK_CPU);
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_NS, 10));
+    ASSERT_OK(gqp_tracer_set(t, GQP_TRACER_CPU_WINDOW_OTHERS_NS, 1000));
+    EV(gqp_tracer_switch(t, 0, KH, 0));
+    EV(gqp_tracer_switch(t, KH, KG, 0));
+    ASSERT_OK(gqp_tracer_attach(t, KG, mine));
+    fc_run(&c, 20);
+    EV(gqp_tracer_switch(t, KG, KH, 0));
+    fc_run(&c, 20);
+    uint64_t reads = c.cpu_reads;
+    ASSERT_EQ_I64(gqp_tracer_switch(t, KH, KN, 0) & GQP_EV_NEW_GREENLET,
+                  GQP_EV_NEW_GREENLET);
+    ASSERT_OK(gqp_tracer_inherit(t, KN, KH));   /* (H passes nothing on) */
+    ASSERT_EQ_U64(c.cpu_reads, reads);          /* no read for N */
+    fc_run(&c, 20);
+    EV(gqp_tracer_switch(t, KN, KH, 0));
+    ASSERT_EQ_U64(c.cpu_reads, reads);
+    /* off CPU 50 ns: the estimate runs ahead of the real clock */
+    fc_idle(&c, 50);
+    EV(gqp_tracer_switch(t, KH, KC, 0));
+    ASSERT_EQ_U64(c.cpu_reads, reads);
+    fc_run(&c, 4);
+    ASSERT_OK(gqp_tracer_inherit(t, KC, KG));
+    ASSERT_EQ_U64(c.cpu_reads, reads + 1);      /* C joins mine: one read */
+    fc_run(&c, 30);
+    EV(gqp_tracer_switch(t, KC, KH, 0));
+    gqp_span sp;
+    gqp_profile *sp_p = NULL;
+    ASSERT_OK(gqp_tracer_last_span(t, &sp, &sp_p, NULL));
+    ASSERT_TRUE(sp_p == mine);
+    ASSERT_EQ_I64(sp.cpu_ns, 34);               /* exact: 4 + 30 */
+    ASSERT_EQ_I64(sp.end_ns - sp.start_ns, 34);
+    gqp_tracer_free(t);
+    gqp_profile_free(mine);
+}
+
 /* The wider window is worked out when a setting it depends on changes
  * (not at every switch): a default or session profile, the CPU mode or a
  * narrow window above it each end it, and it comes back when they go. */
