@@ -1318,7 +1318,7 @@ GQP_API int gqp_tracer_inherit(gqp_tracer *t, uint64_t child, uint64_t parent)
     }
     if (cg && cg != pg) {
         gqp_profile *np = p && !p->closed ? p : NULL;
-        if (np && !cg->profile && cg == t->cur && t->wide) {
+        if (np && !cg->profile && !cg->depth && cg == t->cur && t->wide) {
             /* A new greenlet's span began with the wide window (most new
              * greenlets are neighbours' while a sample is open: they do not
              * read the clock); this one joins a profile, so its start is
