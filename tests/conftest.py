@@ -74,12 +74,25 @@ def child_env(**overrides):
 UNIT = 0.015
 
 
+#: thread CPU seconds spin() read beyond what it was asked to burn, summed
+#: over the running test (reset by _clean_hooks).  On a shared VM the
+#: thread CPU clock can advance by tens of milliseconds within one loop
+#: iteration, around a GIL handoff (docs/accuracy.md: 6 % of 15 ms spins
+#: read over 16 ms, up to 55 ms, in three threads with their own hubs and
+#: no profiler loaded).  greqprof reports that clock as it reads: such a
+#: jump is rightly charged to the code that was running, so upper bounds
+#: on CPU time allow what spin() saw of it.
+OVERSHOOT = [0.0]
+
+
 def spin(units):
     """Burns `units` * UNIT seconds of this thread's CPU time."""
     clock = time.thread_time
-    end = clock() + units * UNIT
-    while clock() < end:
-        pass
+    start = now = clock()
+    end = start + units * UNIT
+    while now < end:
+        now = clock()
+    OVERSHOOT[0] += now - end
 
 
 def units(seconds):
@@ -87,12 +100,20 @@ def units(seconds):
     return seconds / UNIT
 
 
+def overshoot_units():
+    """What spin() read beyond its asks in this test so far, in units."""
+    return units(OVERSHOOT[0])
+
+
 def assert_units(seconds, expected, rel=0.3, what="value"):
-    """`seconds` is `expected` spin units within `rel` (relative)."""
+    """`seconds` is `expected` spin units within `rel` (relative); above
+    it, also within what the thread CPU clock jumped in spin() (OVERSHOOT):
+    a lower bound is never relaxed."""
     got = units(seconds)
-    assert abs(got - expected) <= rel * expected, (
-        "%s: %.2f units, expected %.2f +- %d%%"
-        % (what, got, expected, rel * 100))
+    over = overshoot_units()
+    assert -rel * expected <= got - expected <= rel * expected + over, (
+        "%s: %.2f units, expected %.2f +- %d%% (+%.2f the clock jumped)"
+        % (what, got, expected, rel * 100, over))
 
 
 def qualified(fn):
@@ -160,6 +181,7 @@ def _clean_hooks():
     """Every test starts and ends without profile/trace hooks."""
     assert sys.getprofile() is None
     assert greenlet.gettrace() is None
+    OVERSHOOT[0] = 0.0
     yield
     sys.setprofile(None)
     threading.setprofile(None)

@@ -139,3 +139,16 @@ def test_report_cost_runs():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "text report logged" in proc.stdout
     assert 'bare `logger.info("x")`' in proc.stdout
+
+
+def test_clock_jumps_runs():
+    """bench/clock_jumps.py (no profiler: the thread CPU clock's own
+    jumps) reports every burn it made."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "clock_jumps.py"),
+         "--rounds", "3", "--threads", "2"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    m = re.search(r"burns of 15 ms: (\d+), in 2 threads", proc.stdout)
+    assert m and int(m.group(1)) == 3 * (2 + 3), proc.stdout
+    assert re.search(r"median 1[5-9]\.\d\d ms", proc.stdout), proc.stdout

@@ -377,10 +377,14 @@ def _burn_cpu(seconds):
 class _OffCpuBefore:
     """An outer layer that keeps the thread off CPU just before the request
     begins (a real time.sleep: the loop is not monkey-patched), then
-    measures the thread's CPU time from the call of the middleware to the
-    close() of its body (which ends the request's last span; delivering
-    the profile comes after it): the truth the profile's cpu is compared
-    with."""
+    measures the thread's CPU time around the request: the truth the
+    profile's cpu is compared with, as two intervals (on a shared VM the
+    thread CPU clock can jump by milliseconds at any moment,
+    docs/accuracy.md, so each edge of the profile is bracketed by two
+    readings).  The outer one runs from the call of the middleware to the
+    return of its body's close(), whose call ends the request's last span;
+    the inner one from the app's first line (the profile is open by then,
+    _EntryTimed) to the call of close()."""
 
     def __init__(self, app, truths):
         self.app = app
@@ -398,12 +402,16 @@ class _OffCpuBefore:
                 return iter(body)
 
             def close(self):
-                truths[environ["PATH_INFO"]] = time.thread_time() - t0
+                inner = time.thread_time() - environ["test.entered"]
                 body.close()
+                truths[environ["PATH_INFO"]] = (
+                    inner, time.thread_time() - t0)
         return Body()
 
 
 def _cpu_app(environ, start_response):
+    import time
+    environ["test.entered"] = time.thread_time()   # (_OffCpuBefore)
     _burn_cpu(0.002)
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"ok"]
@@ -424,13 +432,14 @@ def test_cpu_of_a_request_begun_after_the_thread_was_off_cpu(serve, calls):
     s.wait_profiles(n + 1)
     errors = []
     for p in s.profiles[1:]:
-        truth = truths[p.path]
+        lo, hi = truths[p.path]
         # (either side holds a little of greqprof's own work around the
         # profile's edges: tens of microseconds)
-        if not abs(truth - p.cpu) <= 0.0005:
-            errors.append((p.path, round(truth * 1e3, 3),
+        if not lo - 0.0005 <= p.cpu <= hi + 0.0005:
+            errors.append((p.path, round(lo * 1e3, 3), round(hi * 1e3, 3),
                            round(p.cpu * 1e3, 3)))
-    assert not errors, "path, truth ms, profile cpu ms: %r" % errors
+    assert not errors, ("path, truth ms (inner, outer), profile cpu "
+                        "ms: %r" % errors)
 
 
 # ---------------------------------------------------------------------------
