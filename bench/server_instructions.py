@@ -76,9 +76,23 @@ def _load(port, n, conns):
     return (n // conns) * conns
 
 
+def _sampled(port):
+    """The middleware's count of sampled requests (/__stats), or None for
+    a configuration without one."""
+    import json
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        c.request("GET", "/__stats")
+        stats = json.loads(c.getresponse().read())
+    finally:
+        c.close()
+    return (stats.get("middleware") or {}).get("sampled")
+
+
 def measure(config, requests, conns, warmup, tmp, cache_sim=False):
     """(instructions per request, of them in the main thread, callgrind
-    dump path of the main thread) for one config.  Background threads
+    dump path of the main thread, cache misses, requests sampled while
+    counted or None) for one config.  Background threads
     (gevent's monitor, greqprof's watchdog) wake up per wall-clock
     interval, and callgrind slows the server ~50x: per request they count
     ~50x what they cost at full speed, and vary with the machine's load."""
@@ -103,12 +117,17 @@ def measure(config, requests, conns, warmup, tmp, cache_sim=False):
                 % (config, config))
         _load(port, max(conns, warmup), conns)   # warm-up: caches, engine
         time.sleep(0.5)
+        sampled0 = _sampled(port)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)],
                        check=True, capture_output=True)
         done = _load(port, requests, conns)
         time.sleep(0.5)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)],
                        check=True, capture_output=True)
+        # (asked outside the counted part)
+        sampled1 = _sampled(port)
+        sampled = (sampled1 - sampled0 if None not in (sampled0, sampled1)
+                   else None)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -131,7 +150,7 @@ def measure(config, requests, conns, warmup, tmp, cache_sim=False):
             names = re.search(r"^events: (.*)$", text, re.M).group(1).split()
             misses = {k: v / done for k, v in zip(names, counts)
                       if k in ("D1mr", "D1mw", "DLmr", "DLmw", "I1mr")}
-    return total / done, main / done, main_dump, misses
+    return total / done, main / done, main_dump, misses, sampled
 
 
 def self_costs(dump):
@@ -194,7 +213,7 @@ def main():
     rows, dumps, base, cache_rows = [], [], None, []
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in args.configs:
-            per, main_per, dump, misses = measure(
+            per, main_per, dump, misses, sampled = measure(
                 cfg, args.requests, args.connections, args.warmup,
                 args.keep or tmp, args.cache_sim)
             if misses:
@@ -205,14 +224,23 @@ def main():
             base = (per, main_per) if base is None else base
             bu.log("%-24s %10.0f instructions/request (main thread %.0f)"
                    % (cfg, per, main_per))
+            # (what one sampled request adds, if the added instructions
+            # were all the samples': how a low pct's samples compare with
+            # pct=1.0's, whose neighbours are samples too)
+            done = (args.requests // args.connections) * args.connections
+            per_sample = ("%+.0f" % ((main_per - base[1]) * done / sampled)
+                          if sampled else "")
             rows.append([cfg, "%.0f" % per, "%+.0f" % (per - base[0]),
                          "%.0f" % main_per,
-                         "%+.0f" % (main_per - base[1])])
+                         "%+.0f" % (main_per - base[1]),
+                         "" if sampled is None else str(sampled),
+                         per_sample])
             dumps.append((cfg, dump, args.requests))
         table = bu.md_table if args.markdown else bu.text_table
         print(table(["configuration", "instructions per request",
                      "added to %s" % args.configs[0], "main thread",
-                     "added (main thread)"], rows))
+                     "added (main thread)", "sampled",
+                     "added per sampled request (main thread)"], rows))
         if cache_rows:
             print("\ncache misses per request, main thread (callgrind's "
                   "simulated caches)")

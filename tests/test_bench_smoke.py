@@ -47,6 +47,11 @@ def test_server_instructions_counts_a_real_server():
             if line.startswith(("bare ", "gqp-100pct "))}
     assert int(rows["bare"][0]) > 0
     assert int(rows["gqp-100pct"][1]) > 0, proc.stdout
+    # (the middleware's count of sampled requests while counted: every one
+    # at pct=1.0, and what one of them added)
+    assert rows["gqp-100pct"][4] == "32", proc.stdout
+    assert int(rows["gqp-100pct"][5]) > 0, proc.stdout
+    assert len(rows["bare"]) == 4, proc.stdout
     # A function of libgreqprof's among those that grew most.  (Which one
     # ranks highest depends on the interpreter: on 3.10 the app's own
     # Python costs more and pushes gqp_tracer_switch down the list.)
