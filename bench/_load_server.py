@@ -38,7 +38,8 @@ gqp-disabled (GREQPROF_ENABLED=0), gqp-0pct-noblocking (no switch hook),
 gqp-0pct-noroutes (pct=0 without the per-route counting), gqp-5pct,
 gqp-100pct (report=False), gqp-0pct-stack100 and gqp-5pct-stack100 (the
 stack sampler at 100 Hz, the default), gqp-0pct-nostack (stack_hz=0),
-gqp-5pct-logged, gqp-100pct-logged, gqp-5pct-calls-logged (each report
+gqp-5pct-logged, gqp-100pct-logged, gqp-5pct-calls-logged,
+gqp-100pct-calls-logged (each report
 logged at INFO to a file handler), bare-logged (no profiler, one access
 line logged per request the same way), gqp-100pct-calls, gevent-monitor
 (gevent's monitor thread, no profiler), werkzeug, yappi.  Not a public
@@ -339,6 +340,9 @@ CONFIGS = {
     "gqp-5pct-calls-logged": ("greqprof pct=0.05 calls=True, each report "
                               "logged at INFO to a file",
                               _greqprof_logged(pct=0.05, calls=True)),
+    "gqp-100pct-calls-logged": ("greqprof pct=1.0 calls=True, each report "
+                                "logged at INFO to a file",
+                                _greqprof_logged(pct=1.0, calls=True)),
     "gevent-monitor": ("gevent's monitor thread (monitor_thread=True, "
                        "max_blocking_time=0.1)", _gevent_monitor),
     "bare-logged": ("bare app logging one access line per request at INFO "
