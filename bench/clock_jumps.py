@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--threads", type=int, default=3)
     a = ap.parse_args()
+    if a.rounds < 1 or a.threads < 1:
+        ap.error("--rounds and --threads must be at least 1")
     out = []
     for _ in range(a.rounds):
         ts = [threading.Thread(target=hub_thread, args=(2 + i, out))
