@@ -148,19 +148,30 @@ EXPECTED = {
 
 @pytest.mark.parametrize("config", sorted(EXPECTED))
 def test_a_later_configuration_wins_as_if_made_before(tmp_path, config):
-    before, before_paths = _printed_after_mark(_run(tmp_path, config,
-                                                    "before"))
-    after, after_paths = _printed_after_mark(_run(tmp_path, config, "after"))
+    err_before = _run(tmp_path, config, "before")
+    before, before_paths = _printed_after_mark(err_before)
+    err_after = _run(tmp_path, config, "after")
+    after, after_paths = _printed_after_mark(err_after)
     who, paths = EXPECTED[config]
+    # (what a failure shows: the records, and the lines they came from
+    # without the reports' bodies)
+    seen = "%r\nprinted after the mark:\n%s" % (before, _heads(err_before))
     # the reference run: what this configuration means
-    assert before_paths == paths, before
+    assert before_paths == paths, seen
     reports = [r for r in before if r[2] == "report"]
-    assert reports == [(who, "INFO", "report")] * len(paths), before
+    assert reports == [(who, "INFO", "report")] * len(paths), seen
     assert [r for r in before if r[2] == "blocking"] == \
-        [(who, "WARNING", "blocking")], before
+        [(who, "WARNING", "blocking")], seen
     # configured after the first request: the very same from then on
-    assert after == before
+    assert after == before, "%r\nprinted after the mark:\n%s" % (
+        after, _heads(err_after))
     assert after_paths == before_paths
+
+
+def _heads(err):
+    """The lines after the mark that are not inside a report's body."""
+    return "\n".join(line for line in err.split("MARK\n", 1)[1].splitlines()
+                     if not line.startswith("  "))[-4000:]
 
 
 def test_the_first_report_goes_through_greqprofs_handler(tmp_path):
