@@ -77,7 +77,7 @@ UNIT = 0.015
 #: thread CPU seconds spin() read beyond what it was asked to burn, summed
 #: over the running test (reset by _clean_hooks).  On a shared VM the
 #: thread CPU clock can advance by tens of milliseconds within one loop
-#: iteration, around a GIL handoff (docs/accuracy.md: 6 % of 15 ms spins
+#: iteration, around a GIL handoff (docs/accuracy.md: up to 7 % of 15 ms spins
 #: read over 16 ms, up to 55 ms, in three threads with their own hubs and
 #: no profiler loaded).  greqprof reports that clock as it reads: such a
 #: jump is rightly charged to the code that was running, so upper bounds
