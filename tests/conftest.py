@@ -100,6 +100,36 @@ def units(seconds):
     return seconds / UNIT
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_clock: compares CPU times read from the thread CPU "
+        "clock; a failed assertion is run once more (OVERSHOOT's jumps can "
+        "also land outside spin(), where no bound can see them)")
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A cpu_clock test whose assertion fails runs once more, with the same
+    fixtures, and the first failure is reported as a warning: a jump of the
+    clock inside greqprof-free code (a function's own few microseconds
+    read as 25 ms, tests/test_profiler.py's thrower on a busy CI host) does
+    not come twice in a row, a wrong attribution does."""
+    if pyfuncitem.get_closest_marker("cpu_clock") is None:
+        return None
+    fn = pyfuncitem.obj
+    args = {name: pyfuncitem.funcargs[name]
+            for name in pyfuncitem._fixtureinfo.argnames}
+    try:
+        fn(**args)
+    except AssertionError as first:
+        import warnings
+        warnings.warn("%s: run again after a failed CPU-time assertion "
+                      "(the thread CPU clock jumps, docs/accuracy.md): %s"
+                      % (pyfuncitem.name, str(first).splitlines()[0]))
+        OVERSHOOT[0] = 0.0
+        fn(**args)
+    return True
+
+
 def overshoot_units():
     """What spin() read beyond its asks in this test so far, in units."""
     return units(OVERSHOOT[0])

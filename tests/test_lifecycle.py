@@ -417,6 +417,7 @@ def _cpu_app(environ, start_response):
     return [b"ok"]
 
 
+@pytest.mark.cpu_clock   # (conftest.pytest_pyfunc_call)
 @pytest.mark.parametrize("calls", [False, True])
 def test_cpu_of_a_request_begun_after_the_thread_was_off_cpu(serve, calls):
     """The thread sleeps 4 ms right before each request: the request's CPU

@@ -26,7 +26,8 @@ from conftest import (CHILD_CWD, assert_units, child, child_env,
                       child_names, func_stat, overshoot_units, qualified,
                       spin, units)
 
-pytestmark = pytest.mark.timeout(60)
+# (cpu_clock: conftest.pytest_pyfunc_call)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cpu_clock]
 
 
 
