@@ -73,6 +73,11 @@ def _load(port, n, conns):
         t.join()
     if errors:
         raise RuntimeError("load failed: %r" % errors[0])
+    return _done(n, conns)
+
+
+def _done(n, conns):
+    """Requests _load(n, conns) sends: n rounded down to whole rounds."""
     return (n // conns) * conns
 
 
@@ -227,8 +232,8 @@ def main():
             # (what one sampled request adds, if the added instructions
             # were all the samples': how a low pct's samples compare with
             # pct=1.0's, whose neighbours are samples too)
-            done = (args.requests // args.connections) * args.connections
-            per_sample = ("%+.0f" % ((main_per - base[1]) * done / sampled)
+            per_sample = ("%+.0f" % ((main_per - base[1]) / sampled
+                                     * _done(args.requests, args.connections))
                           if sampled else "")
             rows.append([cfg, "%.0f" % per, "%+.0f" % (per - base[0]),
                          "%.0f" % main_per,

@@ -383,8 +383,8 @@ class _OffCpuBefore:
     docs/accuracy.md, so each edge of the profile is bracketed by two
     readings).  The outer one runs from the call of the middleware to the
     return of its body's close(), whose call ends the request's last span;
-    the inner one from the app's first line (the profile is open by then,
-    _EntryTimed) to the call of close()."""
+    the inner one from the app's first line (the profile is open by then;
+    _cpu_app notes the time in the environ) to the call of close()."""
 
     def __init__(self, app, truths):
         self.app = app
