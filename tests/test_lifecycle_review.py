@@ -578,9 +578,11 @@ def test_a_profiler_in_a_middleware_thread_sees_sampled_requests(serve):
     try:
         for i in range(3):
             assert s.get("/x%d" % i).status == 200
+        # (the client has the response before the server closes the
+        # request: its last span runs after; stop once it is done)
+        s.wait_profiles(4)
     finally:
         prof.stop()
-    s.wait_profiles(4)
     _check_profiler_sees_the_requests(
         s, prof, ["/x0", "/x1", "/x2"], "app_work_of_a_sampled_request")
     # after stop() the requests go on being profiled, the Profiler is done
@@ -610,9 +612,9 @@ def test_a_middleware_in_a_profiler_thread_gives_it_sampled_requests(serve):
         for i in range(3):
             assert s.get("/y%d" % i).status == 200
         gevent.spawn(outside).join()
+        s.wait_profiles(3)  # (each request's last span runs after its reply)
     finally:
         prof.stop()
-    s.wait_profiles(3)
     _check_profiler_sees_the_requests(
         s, prof, ["/y0", "/y1", "/y2"], "app_work_under_a_running_profiler")
     assert {f.name: f.ncall for f in prof.func_stats()}.get(
