@@ -21,6 +21,7 @@ middleware counts every request in C (greqprof/_routes.c: requests,
 errors, status classes, the wall histogram below) and calls the namer
 here only for what C does not name itself; :class:`RouteAggregates` joins
 those counts with what sampled requests and blocking events add."""
+import codecs
 import collections
 import math
 import re
@@ -132,9 +133,10 @@ def take_route(greenlet=None):
 # ---------------------------------------------------------------------------
 # naming a request
 
-def _wsgi_text(value):
+def _wsgi_text(value, cut=False):
     """WSGI path text (latin-1 decoded bytes) as the UTF-8 it most likely
-    was; kept as it is when it is not UTF-8 (cleaned later)."""
+    was; kept as it is when it is not UTF-8 (cleaned later).  ``cut``: the
+    text was cut short, a character's first bytes at its end are dropped."""
     if isinstance(value, (bytes, bytearray)):
         raw = bytes(value)
     else:
@@ -143,9 +145,13 @@ def _wsgi_text(value):
         except UnicodeEncodeError:
             return value   # (not WSGI text: already decoded)
     try:
-        return raw.decode("utf-8")
+        # (not final: a path cut at _MAX_PATH may end inside a character)
+        text, used = codecs.utf_8_decode(raw, "strict", False)
     except UnicodeDecodeError:
         return raw.decode("latin-1")
+    if used == len(raw) or cut:
+        return text
+    return text + raw[used:].decode("latin-1")
 
 
 def path_route(path):
@@ -158,7 +164,7 @@ def path_route(path):
     if not isinstance(path, (str, bytes, bytearray)):
         raise TypeError("path_route: a path is a str or bytes, got %s"
                         % type(path).__name__)
-    path = _wsgi_text(path[:_MAX_PATH])
+    path = _wsgi_text(path[:_MAX_PATH], len(path) > _MAX_PATH)
     parts = path.split("/")
     for i, part in enumerate(parts):
         if part and _ID_SEGMENT.fullmatch(part):

@@ -76,6 +76,18 @@ def test_huge_paths_are_cut():
         MAX_ROUTE - 1)
 
 
+@pytest.mark.parametrize("head", ["/", "/x"])
+def test_a_long_utf8_path_cut_inside_a_character_stays_utf8(head):
+    """The path is cut (as latin-1 WSGI text) before it is decoded: a cut
+    inside a two-byte character must not turn the whole name into
+    latin-1 mojibake."""
+    path = (head + "\u00e9" * 600).encode("utf-8")
+    for form in (path, path.decode("latin-1")):
+        name = path_route(form)
+        assert name.startswith(head + "\u00e9" * 50), name[:20]
+        assert "\u00c3" not in name and name.endswith("...")
+
+
 # ---------------------------------------------------------------------------
 # set_route and the namer's order
 
