@@ -134,8 +134,10 @@ static void rt_record(gqp_rt *rt, PyObject *route, int status, int error,
 }
 
 /* The request's route (a new reference; NULL only with no error set when
- * nothing named it). */
-static PyObject *rt_name(gqp_rt *rt, PyObject *environ)
+ * nothing named it).  When the route= callable raised what is not an
+ * Exception (an interrupt, a greenlet's kill), the request is named by
+ * its path and *interrupt holds it, to be passed on. */
+static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject **interrupt)
 {
     PyObject *v;
     if (PyDict_GET_SIZE(rt->named) > 0) {
@@ -190,6 +192,11 @@ python:
     err_clear();
     v = PyObject_CallOneArg(rt->namer, environ);
 checked:
+    if (!v && PyErr_Occurred() &&
+        !PyErr_ExceptionMatches(PyExc_Exception)) {
+        *interrupt = PyErr_GetRaisedException();
+        v = PyObject_CallFunctionObjArgs(rt->namer, environ, Py_True, NULL);
+    }
     if (v && PyUnicode_Check(v) && !PyUnicode_CheckExact(v)) {
         /* (a str subclass could run Python while the table is updated) */
         Py_SETREF(v, PyUnicode_FromObject(v));
@@ -417,12 +424,12 @@ static int rtw_finish(gqp_rtw *w, int close)
     }
     w->done = 1;
     PyObject *exc = PyErr_GetRaisedException();
-    PyObject *route = NULL;
+    PyObject *route = NULL, *interrupt = NULL;
     int skip = w->slow && w->environ && PyDict_Check(w->environ) &&
                PyDict_GetItemWithError(w->environ, str_rt_skip);
     err_clear();
     if (!skip && w->rt && w->environ) {
-        route = rt_name(w->rt, w->environ);
+        route = rt_name(w->rt, w->environ, &interrupt);
     }
     PyObject *res = w->result;
     if (route && res && (Py_IS_TYPE(res, &gqp_seqbody_type) ||
@@ -462,6 +469,14 @@ static int rtw_finish(gqp_rtw *w, int close)
     }
     Py_CLEAR(w->environ);
     Py_CLEAR(w->start_response);
+    if (interrupt) {
+        /* (the app's own error, if any, goes first) */
+        if (exc) {
+            Py_DECREF(interrupt);
+        } else {
+            exc = interrupt;
+        }
+    }
     PyErr_SetRaisedException(exc);
     return failed || exc ? -1 : 0;
 }
@@ -650,17 +665,19 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     PyObject *fw = PyList_CheckExact(result) || PyTuple_CheckExact(result)
         ? NULL : PyDict_GetItemWithError(environ, str_rt_file_wrapper);
     err_clear();
-    if (!fw && (PyList_CheckExact(result) || PyTuple_CheckExact(result))) {
-        rtw_finish(w, 0);   /* (its end: nothing more runs app code) */
+    if ((!fw && (PyList_CheckExact(result) || PyTuple_CheckExact(result)))
+        || (fw && PyType_Check(fw) &&
+            PyObject_TypeCheck(result, (PyTypeObject *)fw))) {
+        /* A list or tuple: its end, nothing more runs app code.  The
+         * server's wsgi.file_wrapper goes back as it is (gunicorn sends
+         * it with sendfile): counted now, without the sending.  (Fails
+         * only with the route= callable's interrupt, passed on.) */
+        int rc = rtw_finish(w, 0);
         Py_DECREF(w);
-        return result;
-    }
-    if (fw && PyType_Check(fw) &&
-        PyObject_TypeCheck(result, (PyTypeObject *)fw)) {
-        /* The server's wsgi.file_wrapper goes back as it is (gunicorn
-         * sends it with sendfile): counted now, without the sending. */
-        rtw_finish(w, 0);
-        Py_DECREF(w);
+        if (rc < 0) {
+            Py_DECREF(result);
+            return NULL;
+        }
         return result;
     }
     w->result = result;

@@ -225,10 +225,23 @@ class RouteNamer:
                                     % type(name).__name__)
             except Exception as e:
                 self.errors += 1
-                self.last_error = clean("%s: %s" % (type(e).__name__, e),
-                                        300)
+                self.last_error = _error_text(e)
+            except BaseException as e:
+                # (an interrupt or a greenlet's kill: the caller counts
+                # the request by its path, then lets it go on)
+                self.last_error = _error_text(e)
+                raise
+        return self.path_name(environ)
+
+    @staticmethod
+    def path_name(environ):
+        """The request's path with ids as ``{id}``."""
         return path_route((environ.get("SCRIPT_NAME") or "") +
                           (environ.get("PATH_INFO") or ""))
+
+
+def _error_text(e):
+    return clean("%s: %s" % (type(e).__name__, e), 300)
 
 
 # ---------------------------------------------------------------------------
@@ -540,9 +553,15 @@ class RouteAggregates:
             maxlen=RECENT_S // RECENT_STEP_S + 1)
         self._snap_next = None
 
-    def _name_environ(self, environ):
-        # (called from C; never raises: a failing route= is counted)
+    def _name_environ(self, environ, interrupted=False):
+        # (called from C; never raises: a failing route= is counted;
+        # interrupted: the route= callable raised a BaseException that is
+        # not an Exception, which C passes on once the request is counted
+        # under its path)
         try:
+            if interrupted:
+                self.namer.errors += 1
+                return self.namer.path_name(environ)
             return self.namer(environ)
         except Exception:
             self.namer.errors += 1

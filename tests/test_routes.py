@@ -177,6 +177,48 @@ def test_a_broken_route_callable_falls_back_to_the_path():
         RouteNamer(route="/x")
 
 
+class Interrupt(BaseException):
+    """Neither an Exception nor the app's: an interrupt or a kill."""
+
+
+@pytest.mark.parametrize("body", ["list", "iterator"])
+@pytest.mark.parametrize("pct", [0.0, 1.0])
+def test_a_route_callable_interrupted_counts_the_request_and_passes_it_on(
+        body, pct):
+    """A route= callable that raises what is not an Exception (a
+    KeyboardInterrupt, a greenlet's kill, a Timeout of its own): the
+    request is counted under its path and the interrupt goes on to the
+    server, as if the app had raised it; an Exception falls back
+    silently."""
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return [b"ok"] if body == "list" else iter([b"ok"])
+
+    def route(environ):
+        if environ["PATH_INFO"].startswith("/stop"):
+            raise Interrupt("stop")
+        raise KeyError("no route")
+
+    mw = ProfilingMiddleware(app, pct=pct, report=False, route=route,
+                             stack_hz=0, linger=0)
+    def serve(path):
+        # (from the call when the request ends there, else from close())
+        res = mw(env(path), lambda *a: None)
+        try:
+            assert list(res) == [b"ok"]
+        finally:
+            getattr(res, "close", lambda: None)()
+
+    with pytest.raises(Interrupt, match="stop"):
+        serve("/stop/1")
+    serve("/fine/2")
+    got = {r["route"]: (r["requests"], r["errors"]) for r in mw.routes()}
+    assert got == {"/stop/{id}": (1, 0), "/fine/{id}": (1, 0)}, got
+    assert mw._routes.namer.errors == 2
+    assert mw._routes.namer.last_error == "KeyError: 'no route'"
+    assert mw._routes.counts.namer_errors == 0
+
+
 # ---------------------------------------------------------------------------
 # real frameworks on a real server
 
