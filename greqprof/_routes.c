@@ -681,7 +681,8 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         return result;
     }
     w->result = result;
-    if (Py_IS_TYPE(result, &gqp_seqbody_type)) {
+    if (Py_IS_TYPE(result, &gqp_seqbody_type) || body_is_sized(result)) {
+        /* (sized: body_is_sized) */
         Py_SET_TYPE(w, &gqp_rtw_seq_type);   /* (same layout, static types) */
     } else if (!(w->it = PyObject_GetIter(result))) {
         w->error = 1;

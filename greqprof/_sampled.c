@@ -442,7 +442,7 @@ static PyObject *str_finish, *str_finalize, *str_drain_blocking,
     *str_finisher_woken, *str_wake_finisher_soon, *str_sampled, *str_empty,
     *str_close, *str_status_kw, *str_wake_from_thread,
     *str_finish_where, *str_let_children_start, *str_hub, *str_loop,
-    *str_callbacks, *str_callback;
+    *str_callbacks, *str_callback, *str_dunder_len;
 
 /* The hooks of the thread req began in, when that is the calling thread
  * and they are still the same (not after a fork, not uninstalled): its
@@ -941,8 +941,8 @@ static PyTypeObject gqp_iterbody_type = {
     .tp_finalize = (destructor)body_finalize,
 };
 
-/* A list or tuple body: sized like the app's (servers use len() for
- * Content-Length) and re-iterable. */
+/* A sized body (a list, a tuple, anything with __len__): sized like the
+ * app's (servers use len() for Content-Length) and re-iterable. */
 static PyTypeObject gqp_seqbody_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "greqprof._core.ClosingSequence",
@@ -958,6 +958,30 @@ static PyTypeObject gqp_seqbody_type = {
     .tp_methods = body_methods,
     .tp_finalize = (destructor)body_finalize,
 };
+
+/* 1 when a server would take `result` for a sized body: pywsgi asks
+ * hasattr(result, "__len__") (and sums the lengths of its chunks, so it
+ * iterates it twice), other servers len().  Such a body must go back
+ * sized, or it loses its Content-Length.  (An error from the lookup, a
+ * __getattr__ that raises, answers 0.) */
+static int body_is_sized(PyObject *result)
+{
+    PyTypeObject *tp = Py_TYPE(result);
+    if ((tp->tp_as_sequence && tp->tp_as_sequence->sq_length) ||
+        (tp->tp_as_mapping && tp->tp_as_mapping->mp_length)) {
+        return 1;
+    }
+    if (tp->tp_getattro == PyObject_GenericGetAttr) {
+        return 0;   /* (a generator, an iterator: no AttributeError made) */
+    }
+    PyObject *v = PyObject_GetAttr(result, str_dunder_len);
+    if (v) {
+        Py_DECREF(v);
+        return 1;
+    }
+    PyErr_Clear();
+    return 0;
+}
 
 static gqp_body *body_new(PyTypeObject *type, PyObject *result, gqp_mw *mw,
                           gqp_req *req)
@@ -998,7 +1022,7 @@ static PyObject *run_profiled(gqp_mw *mw, gqp_req *req, PyObject *environ,
         return NULL;
     }
     gqp_body *b;
-    if (PyList_Check(result) || PyTuple_Check(result)) {
+    if (body_is_sized(result)) {
         b = body_new(&gqp_seqbody_type, result, mw, req);
     } else {
         b = body_new(&gqp_iterbody_type, result, mw, req);
@@ -2302,6 +2326,7 @@ static int gqp_py_sampled_init(PyObject *reg)
         {&str_finisher_woken, "finisher_woken"},
         {&str_wake_finisher_soon, "_wake_finisher_soon"},
         {&str_sampled, "sampled"}, {&str_empty, ""}, {&str_close, "close"},
+        {&str_dunder_len, "__len__"},
         {&str_status_kw, "status"},
         {&str_wake_from_thread, "_wake_finisher_from_thread"},
         {&str_finish_where, "finish"}, {&str_finalize_py, "_finalize_py"},

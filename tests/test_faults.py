@@ -717,6 +717,40 @@ def test_response_framing_unchanged(both):
     assert wrapped == bare
 
 
+class ListBody(list):
+    """A framework's response list (a list subclass)."""
+
+
+class SizedBody:
+    """Re-iterable and sized, not a list: pywsgi sums its chunks."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    def __len__(self):
+        return len(self.parts)
+
+
+@pytest.mark.parametrize("pct", [0.0, 1.0])
+@pytest.mark.parametrize("kind", [ListBody, SizedBody, tuple])
+def test_sized_bodies_keep_their_content_length(both, kind, pct):
+    """Any body with __len__, not only an exact list: the server sizes it
+    (Content-Length) bare, so it must wrapped too, sampled or not; on an
+    HTTP/1.0 keep-alive connection an unsized body goes out unframed."""
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return kind([b"ok", b"\n"])
+    bare, wrapped, srv = both(app, http10_keepalive, pct=pct)
+    assert bare[0] == (b"HTTP/1.1 200 OK\r\n", "3", "keep-alive")
+    assert wrapped == bare
+    srv.settle()
+    assert srv.mw._open == 0
+    assert len(srv.profiles) == (1 if pct else 0)
+
+
 def test_idle_server_reports_no_blocking(serve):
     srv = serve(ok_app, pct=0.0, blocking_ms=50, report=True)
     for i in range(3):
