@@ -74,6 +74,11 @@ static rt_cell *rt_cell_of(gqp_rt *rt, PyObject *route)
     if (PyErr_Occurred()) {
         return NULL;
     }
+    if (PyUnicode_GET_LENGTH(route) == PyUnicode_GET_LENGTH(str_rt_other) &&
+        PyUnicode_Compare(route, str_rt_other) == 0) {
+        return &rt->cells[0];   /* (a route the app named "<other>": one
+                                 * row, never a key of the table) */
+    }
     if (rt->ncells > rt->max_routes) {   /* (cells[0] is "<other>") */
         rt->overflowed++;
         return &rt->cells[0];
@@ -98,6 +103,21 @@ static rt_cell *rt_cell_of(gqp_rt *rt, PyObject *route)
     memset(c, 0, sizeof *c);
     c->min = INFINITY;
     return c;
+}
+
+/* 1 when route gets a row of its own: it has one, or the table has room
+ * (0: it is counted under "<other>"). */
+static int rt_admits(gqp_rt *rt, PyObject *route)
+{
+    if (rt->ncells <= rt->max_routes) {
+        return 1;
+    }
+    int in = PyDict_Contains(rt->table, route);
+    if (in < 0) {
+        err_clear();
+        return 1;
+    }
+    return in;
 }
 
 static void rt_record(gqp_rt *rt, PyObject *route, int status, int error,
@@ -301,20 +321,50 @@ static PyObject *rt_cell_tuple(PyObject *route, rt_cell *c)
 /* snapshot() -> [(route, requests, errors, (1xx..5xx, other), histogram
  * bytes (uint64 counts), total, min, max)], "<other>" included when it
  * counted anything. */
-static PyObject *rt_snapshot(gqp_rt *rt, PyObject *unused)
+/* 1 when `known` (a dict, or NULL) says the route had c's requests. */
+static int rt_unchanged(PyObject *known, PyObject *key, const rt_cell *c)
 {
-    (void)unused;
+    if (!known) {
+        return 0;
+    }
+    PyObject *n = PyDict_GetItemWithError(known, key);
+    if (!n || !PyLong_CheckExact(n)) {
+        err_clear();
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(n);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        err_clear();
+        return 0;
+    }
+    return v == c->requests;
+}
+
+/* snapshot([known]): the table's rows; with `known` (route -> requests),
+ * only the rows that counted requests since (a once-a-second reader
+ * skips a large table's idle routes without building their rows). */
+static PyObject *rt_snapshot(gqp_rt *rt, PyObject *args)
+{
+    PyObject *known = NULL;
+    if (!PyArg_ParseTuple(args, "|O!:snapshot", &PyDict_Type, &known)) {
+        return NULL;
+    }
     PyObject *out = PyList_New(0), *key, *ix;
     Py_ssize_t pos = 0;
     while (out && PyDict_Next(rt->table, &pos, &key, &ix)) {
-        PyObject *t = rt_cell_tuple(key, &rt->cells[PyLong_AsSsize_t(ix)]);
+        rt_cell *c = &rt->cells[PyLong_AsSsize_t(ix)];
+        if (rt_unchanged(known, key, c)) {
+            continue;
+        }
+        PyObject *t = rt_cell_tuple(key, c);
         if (!t || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
             Py_CLEAR(out);
         }
         Py_XDECREF(t);
     }
-    if (out && rt->cells[0].requests) {
+    if (out && rt->cells[0].requests &&
+        !rt_unchanged(known, str_rt_other, &rt->cells[0])) {
         PyObject *t = rt_cell_tuple(str_rt_other, &rt->cells[0]);
         if (!t || PyList_Append(out, t) < 0) {
             Py_CLEAR(out);
@@ -359,6 +409,15 @@ static PyObject *rt_set_metrics(gqp_rt *rt, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *rt_admits_py(gqp_rt *rt, PyObject *route)
+{
+    if (!PyUnicode_Check(route)) {
+        PyErr_SetString(PyExc_TypeError, "admits: route must be a str");
+        return NULL;
+    }
+    return PyBool_FromLong(rt_admits(rt, route));
+}
+
 static PyObject *rt_get_overflowed(gqp_rt *rt, void *c)
 {
     (void)c;
@@ -372,9 +431,13 @@ static PyObject *rt_get_errors(gqp_rt *rt, void *c)
 }
 
 static PyMethodDef rt_methods[] = {
-    {"snapshot", (PyCFunction)rt_snapshot, METH_NOARGS,
-     "[(route, requests, errors, status classes, histogram, total, min, "
-     "max)]."},
+    {"snapshot", (PyCFunction)rt_snapshot, METH_VARARGS,
+     "snapshot([known]) -> [(route, requests, errors, status classes, "
+     "histogram, total, min, max)]; with known (route -> requests), only "
+     "the routes that counted requests since."},
+    {"admits", (PyCFunction)rt_admits_py, METH_O,
+     "admits(route): False when route's requests go to <other> (the table "
+     "is full without it)."},
     {"set_metrics", (PyCFunction)rt_set_metrics, METH_VARARGS,
      "set_metrics(path, app): serves that path with app, uncounted."},
     {"record", (PyCFunction)rt_record_py, METH_VARARGS,
@@ -437,7 +500,10 @@ static int rtw_finish(gqp_rtw *w, int close)
         ((gqp_body *)res)->req) {
         /* A sampled request: its profile is counted by its route too. */
         gqp_req *req = ((gqp_body *)res)->req;
-        Py_XSETREF(req->route, Py_NewRef(route));
+        /* (a route past max_routes: its profile is counted where the
+         * request is, under "<other>") */
+        Py_XSETREF(req->route, Py_NewRef(rt_admits(w->rt, route)
+                                         ? route : str_rt_other));
     }
     int failed = 0;
     if (close && res && !PyList_CheckExact(res) && !PyTuple_CheckExact(res)) {

@@ -10,9 +10,13 @@ sums every worker's (docs/fleet.md)."""
 import math
 import os
 import threading
+from array import array
 
 from .errors import ConfigError
+from .routes import route_name
 
+#: rows the drain loop's sync reads at most, once a second
+SYNC_ROWS = 100
 #: upper bounds of greqprof_request_duration_seconds (seconds)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
            2.5, 5.0, 10.0, 30.0, 60.0, math.inf)
@@ -69,55 +73,75 @@ class Metrics:
             "greqprof_blocked_seconds",
             "Seconds the event loop was held, all blocking events",
             registry=r)
-        self._seen = {}          # route -> its record at the last sync
+        # (read since the last sync, so that only what changed costs:
+        # once a second, a table of thousands of mostly idle routes)
+        self._known = {}         # raw route -> its requests at the last sync
+        self._rows = {}          # raw route -> (classes, buckets, total)
+        self._extra_seen = {}    # route -> (sampled, cpu_sum, cpu_n, blocking)
         self._blocked_seen = 0.0
+        # WallHistogram buckets [a, b) -> BUCKETS index j (monotonic)
+        self._ranges = []
+        for i, j in enumerate(self._map):
+            if self._ranges and self._ranges[-1][0] == j:
+                self._ranges[-1][2] = i + 1
+            else:
+                self._ranges.append([j, i, i + 1])
 
-    def sync(self):
-        """Adds what the aggregates counted since the last call."""
+    def sync(self, limit=None):
+        """Adds what the aggregates counted since the last call: the
+        request table's rows that counted requests since, and the routes
+        whose samples or blocking changed.  ``limit``: at most that many
+        rows (the drain loop's, once a second: a burst of new routes, each
+        a few prometheus_client objects to make, is spread over seconds
+        rather than holding the loop; a scrape reads them all)."""
         with self._lock:
-            for rec, hist in self._agg.records_and_histograms():
-                self._sync_route(rec, hist)
+            rows = self._agg.counts.snapshot(self._known)
+            for row in rows[:limit]:
+                self._sync_row(*row)
+            for route, now in self._agg.take_changed().items():
+                self._sync_extra(route, now)
             d = self._agg.blocked - self._blocked_seen
             if d > 0:
                 self.blocked.inc(d)
                 self._blocked_seen = self._agg.blocked
 
-    def _sync_route(self, rec, hist):
-        route = rec["route"]
-        old = self._seen.get(route)
-        if old is not None and old[0] == rec["requests"] and \
-                old[1] == rec["sampled"] and old[2] == rec["blocking"]:
-            return
-        o_status, o_hist, o_total, o_cpu, o_cpu_n = (
-            (old[3], old[4], old[5], old[6], old[7]) if old else
-            ({}, [0] * len(BUCKETS), 0.0, 0.0, 0))
-        for cls in _CLASSES:
-            n = rec["status"][cls] - o_status.get(cls, 0)
-            if n > 0:
-                self.requests.labels(route, cls).inc(n)
+    def tick(self):
+        """The drain loop's sync, once a second."""
+        self.sync(limit=SYNC_ROWS)
+
+    def _sync_row(self, raw, requests, errors, classes, hist, total, lo, hi):
+        # (rows are per raw name: two that clean to one label add up)
+        route = route_name(raw)
+        old = self._rows.get(raw)
+        o_classes, o_per, o_total = old if old else (
+            (0,) * len(_CLASSES), (0,) * len(BUCKETS), 0.0)
+        for cls, n, o in zip(_CLASSES, classes, o_classes):
+            if n > o:
+                self.requests.labels(route, cls).inc(n - o)
+        counts = array("Q", hist)
         per = [0] * len(BUCKETS)
-        for i, c in enumerate(hist):
-            if c:
-                per[self._map[i]] += c
+        for j, a, b in self._ranges:
+            per[j] += sum(counts[a:b])
         child = self.duration.labels(route)
-        for j, n in enumerate(per):
-            if n > o_hist[j]:
-                child._buckets[j].inc(n - o_hist[j])
-        total = (rec["wall_mean"] or 0.0) * rec["requests"]
+        for j, (n, o) in enumerate(zip(per, o_per)):
+            if n > o:
+                child._buckets[j].inc(n - o)
         if total > o_total:
             child._sum.inc(total - o_total)
-        cpu_n = rec["cpu_n"]
-        cpu_sum = rec["cpu_sum"]
+        self._rows[raw] = (tuple(classes), per, total)
+        self._known[raw] = requests
+
+    def _sync_extra(self, route, now):
+        sampled, cpu_sum, cpu_n, blocking = now
+        o_sampled, o_cpu, o_cpu_n, o_blocking = self._extra_seen.get(
+            route, (0, 0.0, 0, 0))
         if cpu_n > o_cpu_n:
             c = self.cpu.labels(route)
             c._count.inc(cpu_n - o_cpu_n)
             c._sum.inc(max(cpu_sum - o_cpu, 0.0))
-        ob = old[2] if old else 0
-        if rec["blocking"] > ob:
-            self.blocking.labels(route).inc(rec["blocking"] - ob)
-        self._seen[route] = (rec["requests"], rec["sampled"],
-                             rec["blocking"], dict(rec["status"]), per,
-                             total, cpu_sum, cpu_n)
+        if blocking > o_blocking:
+            self.blocking.labels(route).inc(blocking - o_blocking)
+        self._extra_seen[route] = now
 
     def exposition(self):
         """(content type, bytes) of every worker's metrics (multiprocess

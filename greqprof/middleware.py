@@ -575,7 +575,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._internal_error("routes", e)
         if self.metrics is not None:
             try:
-                self.metrics.sync()
+                self.metrics.tick()
             except Exception as e:
                 self._internal_error("metrics", e)
         if not self.summary_s:

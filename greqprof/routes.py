@@ -542,6 +542,7 @@ class RouteAggregates:
         self.counts = counts_type(max_routes, self._name_environ, _named,
                                   getcurrent, route is None)
         self._extra = {}   # route -> RouteStats (sampled part, blocking)
+        self._changed = set()   # routes of _extra changed since take_changed
         self._waits = {}   # route -> {wait site: seconds}, sampled
         self._lock = threading.Lock()
         #: blocking events and their seconds, all requests and none
@@ -570,12 +571,28 @@ class RouteAggregates:
     def _stats(self, route):
         st = self._extra.get(route)
         if st is None:
-            if len(self._extra) >= self.max_routes:
+            # (a route the request table counts under OTHER, its table
+            # full, is OTHER here too)
+            if len(self._extra) >= self.max_routes or \
+                    not self.counts.admits(route):
                 route = OTHER
                 st = self._extra.get(OTHER)
             if st is None:
                 st = self._extra[route] = RouteStats(route)
+        self._changed.add(st.route)
         return st
+
+    def take_changed(self):
+        """{route: (sampled, cpu_sum, cpu_n, blocking)} of the routes
+        whose sampled part or blocking changed since the last call (for
+        greqprof/metrics.py: a large table's idle routes cost nothing)."""
+        with self._lock:
+            out = {}
+            for route in self._changed:
+                st = self._extra[route]
+                out[route] = (st.sampled, st.cpu_sum, st.cpu_n, st.blocking)
+            self._changed.clear()
+        return out
 
     def add_sampled(self, route, cpu, waiting, blocking=0, blocked=0.0,
                     waits=()):
@@ -741,16 +758,6 @@ class RouteAggregates:
             if d.requests or d.sampled or d.blocking:
                 out.append(d)
         return now - t0, out
-
-    def records_and_histograms(self):
-        """[(record with ``cpu_sum`` and ``cpu_n`` besides, the wall
-        histogram's counts)] (for greqprof/metrics.py)."""
-        out = []
-        for st in self._merged().values():
-            rec = self._record(st)
-            rec["cpu_sum"], rec["cpu_n"] = st.cpu_sum, st.cpu_n
-            out.append((rec, st.wall.counts))
-        return out
 
 
 class _Snap:

@@ -139,6 +139,39 @@ def test_routes_are_bounded_and_the_rest_is_other(serve):
     assert s.mw._routes.counts.overflowed == 25
 
 
+def test_routes_past_max_routes_count_everything_under_other(serve):
+    """Once the table is full, a new route's sampled profile and its
+    blocking event are counted where its request is, under OTHER: no
+    record past max_routes + 1, none with samples but no requests."""
+    def app(environ, start_response):
+        if environ["PATH_INFO"].startswith("/hold"):
+            _hold(0.03)
+        start_response("200 OK", [])
+        return [b"ok"]
+    draws = iter([0.99, 0.99] + [0.0] * 100)   # /a, /b unsampled, the rest
+    s = serve(app, pct=0.5, rng=lambda: next(draws), report=False,
+              linger=0, blocking_ms=10, max_routes=2,
+              logger="greqprof.test_routes_overflow")
+    for path in ("/a", "/b", "/c", "/hold/x", "/d"):
+        assert s.get(path).status == 200
+    wait_for(lambda: by_route(s.mw).get(OTHER, {}).get("sampled") == 3 and
+             by_route(s.mw)[OTHER]["blocking"] >= 1,
+             what="the samples and the blocking event under OTHER")
+    got = by_route(s.mw)
+    assert sorted(got) == sorted(["/a", "/b", OTHER]), sorted(got)
+    assert got[OTHER]["requests"] == 3 and got[OTHER]["cpu"] is not None
+    assert got["/a"]["sampled"] == got["/b"]["sampled"] == 0
+    # pct=0: an unsampled request's blocking event, the table full
+    s = serve(app, pct=0.0, report=False, blocking_ms=10, max_routes=1,
+              logger="greqprof.test_routes_overflow0")
+    s.get("/a")
+    s.get("/hold/y")
+    wait_for(lambda: s.mw.stats["blocking"] >= 1, what="the blocking event")
+    wait_for(lambda: by_route(s.mw).get(OTHER, {}).get("blocking", 0) >= 1,
+             what="counted under OTHER")
+    assert sorted(by_route(s.mw)) == sorted(["/a", OTHER])
+
+
 def test_the_route_callable_and_its_failures(serve):
     def route(environ):
         if environ["PATH_INFO"] == "/bad":
@@ -377,6 +410,38 @@ def test_metrics_page_in_one_process(serve):
     # the inspector's access rules: loopback only by default
     resp = s.get("/_greqprof/metrics", headers=[("Host", "evil.example")])
     assert resp.status == 403
+
+
+def test_metrics_sync_reads_only_the_routes_that_changed(serve):
+    """The once-a-second sync reads the request table's rows that counted
+    requests since the last one, and the routes whose samples or blocking
+    changed: a large table of idle routes costs it nothing."""
+    need_module("prometheus_client")
+    s = serve(app_of_paths, pct=0.0, report=False, blocking_ms=None,
+              metrics_path="/_greqprof/metrics", max_routes=2000)
+    for i in range(300):
+        s.get("/route%d" % i)
+    m = s.mw.metrics
+    counts_table = s.mw._routes.counts
+    before = len(m._known)   # (the drain loop may have synced some)
+    m.tick()   # (the drain loop's: a burst of new routes over seconds)
+    assert len(m._known) == min(before + 100, 300)
+    m.sync()
+    assert len(m._known) == 300
+    assert counts_table.snapshot(m._known) == []
+    assert s.mw._routes.take_changed() == {}
+    s.get("/route7")
+    s.get("/route7")
+    changed = counts_table.snapshot(m._known)
+    assert [(r[0], r[1]) for r in changed] == [("/route7", 3)]
+    m.sync()
+    text = s.get("/_greqprof/metrics").body.decode()
+    assert 'greqprof_requests_total{route="/route7",status="2xx"} 3.0' \
+        in text
+    assert 'greqprof_requests_total{route="/route8",status="2xx"} 1.0' \
+        in text
+    assert 'greqprof_request_duration_seconds_count{route="/route7"} ' \
+        '3.0' in text
 
 
 def test_metrics_path_needs_prometheus_client(monkeypatch):
