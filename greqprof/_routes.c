@@ -48,6 +48,9 @@ typedef struct {
     int64_t t0;
     int status;
     char error, done;
+    char sent;            /* a first non-empty chunk went to the server */
+    char unsent_error;    /* the app failed before it: the server answers
+                             500, whatever status it started */
     char slow;            /* served by Python (_call_slow), which may say
                              "not counted" (greqprof.no_route) */
 } gqp_rtw;
@@ -529,7 +532,7 @@ static int rtw_finish(gqp_rtw *w, int close)
         }
     }
     if (route) {
-        rt_record(w->rt, route, w->status, w->error,
+        rt_record(w->rt, route, w->unsent_error ? 0 : w->status, w->error,
                   (double)(rt_now() - w->t0) / 1e9);
         Py_DECREF(route);
     }
@@ -588,6 +591,10 @@ static PyObject *rtw_iternext(gqp_rtw *w)
     PyObject *item = PyIter_Next(w->it);
     if (!item && PyErr_Occurred()) {
         w->error = 1;
+        w->unsent_error |= !w->sent;
+    } else if (item && !w->sent && PyBytes_Check(item) &&
+               PyBytes_GET_SIZE(item) > 0) {
+        w->sent = 1;   /* (pywsgi sends the headers with it) */
     }
     return item;
 }
@@ -718,12 +725,12 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     w->start_response = Py_NewRef(start_response);
     w->result = w->it = NULL;
     w->status = 0;
-    w->error = w->done = w->slow = 0;
+    w->error = w->done = w->slow = w->sent = w->unsent_error = 0;
     w->t0 = rt_now();
     PyObject_GC_Track(w);
     PyObject *result = mw_serve(mw, environ, (PyObject *)w);
     if (!result) {
-        w->error = 1;
+        w->error = w->unsent_error = 1;
         rtw_finish(w, 0);
         Py_DECREF(w);
         return NULL;
@@ -751,7 +758,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         /* (sized: body_is_sized) */
         Py_SET_TYPE(w, &gqp_rtw_seq_type);   /* (same layout, static types) */
     } else if (!(w->it = PyObject_GetIter(result))) {
-        w->error = 1;
+        w->error = w->unsent_error = 1;
         rtw_finish(w, 1);   /* (the app's close() still runs) */
         Py_DECREF(w);
         return NULL;

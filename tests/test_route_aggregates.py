@@ -51,6 +51,16 @@ def app_of_paths(environ, start_response):
             yield b"a"
             raise ValueError("in the body")
         return failing()
+    if p.startswith("/latefail"):
+        start_response("200 OK", [])
+        raise RuntimeError("after start_response")
+    if p.startswith("/firstfail"):
+        start_response("200 OK", [])
+
+        def first():
+            yield b""   # (nothing sent yet)
+            raise ValueError("before the first chunk")
+        return first()
     if p.startswith("/unavail"):
         start_response("503 Service Unavailable", [])
         return [b"x"]
@@ -73,7 +83,7 @@ def test_every_request_is_counted_by_its_route(serve, pct):
     s = serve(app_of_paths, pct=pct, report=False, linger=0)
     plan = [("/items/1", 200), ("/items/22", 200), ("/gen/3", 201),
             ("/unavail", 503), ("/raise/9", 500), ("/named/1", 200),
-            ("/sleep", 200)]
+            ("/sleep", 200), ("/latefail", 500), ("/firstfail", 500)]
     for target, status in plan:
         assert s.get(target).status == status, target
     s.get("/bodyfail")   # (the server cuts the chunked response)
@@ -82,7 +92,7 @@ def test_every_request_is_counted_by_its_route(serve, pct):
     r = by_route(s.mw)
     assert counts(s.mw) == {"/items/{id}": 2, "/gen/{id}": 1, "/unavail": 1,
                             "/raise/{id}": 1, "by-app": 1, "/sleep": 1,
-                            "/bodyfail": 1}
+                            "/bodyfail": 1, "/latefail": 1, "/firstfail": 1}
     assert r["/items/{id}"]["errors"] == 0
     assert r["/items/{id}"]["status"]["2xx"] == 2
     assert r["/gen/{id}"]["status"]["2xx"] == 1
@@ -90,6 +100,13 @@ def test_every_request_is_counted_by_its_route(serve, pct):
     assert r["/raise/{id}"]["errors"] == 1
     assert r["/raise/{id}"]["status"]["5xx"] == 1
     assert r["/bodyfail"]["errors"] == 1
+    # the status the server sent: 500 when the app failed before its
+    # first chunk, whatever it started; the app's own once one was sent
+    for path in ("/latefail", "/firstfail"):
+        assert r[path]["errors"] == 1
+        assert r[path]["status"]["5xx"] == 1 and r[path]["status"]["2xx"] \
+            == 0, (path, r[path]["status"])
+    assert r["/bodyfail"]["status"]["2xx"] == 1
     # (lower bounds only: the app slept that long)
     assert r["/gen/{id}"]["wall_p50"] >= 0.02 * 0.95
     assert r["/sleep"]["wall_p99"] >= 0.03 * 0.95
