@@ -716,6 +716,15 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         }
         err_clear();
     }
+    if (PyDict_GET_SIZE(rt->named) > 0) {
+        /* A name set_route gave this greenlet before its request began
+         * (outside any request) does not name it. */
+        PyObject *g = PyObject_CallNoArgs(rt->getcurrent);
+        if (!g || PyDict_DelItem(rt->named, g) < 0) {
+            err_clear();
+        }
+        Py_XDECREF(g);
+    }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
     if (!w) {
         return NULL;

@@ -118,10 +118,21 @@ def set_route(name):
     if not name:
         raise ValueError("set_route: the route name must not be empty")
     if len(_named) >= _MAX_NAMED:
-        _named.clear()   # (names no request took: bounded memory)
+        _forget_names()
     name = _named[getcurrent()] = _name(name)
     _tell_sampler(name)
     return True
+
+
+def _forget_names():
+    """Bounds _named: the names of greenlets that ended (no request takes
+    them), then, if that is not enough, the oldest quarter; the names of
+    requests in flight, the newest, stay."""
+    for g in [g for g in _named if getattr(g, "dead", False)]:
+        _named.pop(g, None)
+    if len(_named) >= _MAX_NAMED:
+        for g in list(_named)[:_MAX_NAMED // 4]:
+            _named.pop(g, None)
 
 
 def take_route(greenlet=None):

@@ -395,6 +395,35 @@ def test_set_route_bounds_what_no_request_takes():
     routes._named.clear()
 
 
+def test_set_route_names_only_requests(serve):
+    """A name set outside any request does not name the next request its
+    greenlet serves; a request in flight keeps its name while names
+    nobody takes (ended greenlets') are bounded."""
+    routes._named.clear()
+    from gevent.event import Event
+    orphans_done = Event()
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/slow/1":
+            greqprof.set_route("slow-named")
+            orphans_done.wait(10)   # (meanwhile, names nobody takes pile up)
+        start_response("200 OK", [])
+        return [b"ok"]
+    s = serve(app, pct=0.0, report=False)
+    assert greqprof.set_route("set-at-start-up") is True
+    list(s.mw({"PATH_INFO": "/direct/1", "REQUEST_METHOD": "GET"},
+              lambda *a: None))    # (served on this very greenlet)
+    slow = gevent.spawn(s.get, "/slow/1")
+    gevent.sleep(0.05)
+    for _ in range(routes._MAX_NAMED + 5):
+        gevent.spawn(greqprof.set_route, "orphan").join()
+    orphans_done.set()
+    assert slow.get().status == 200
+    assert len(routes._named) <= routes._MAX_NAMED
+    assert counts(s.mw) == {"/direct/{id}": 1, "slow-named": 1}
+    routes._named.clear()
+
+
 # ---------------------------------------------------------------------------
 # Prometheus (the real server scraping gunicorn: test_prometheus.py)
 
