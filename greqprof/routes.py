@@ -757,12 +757,15 @@ class RouteAggregates:
         maxima since start when lower); ``wait_sites`` stay since start."""
         now = time.monotonic() if now is None else now
         self.tick(now)
-        snaps = [sn for sn in list(self._snaps)
-                 if now - sn[0] <= RECENT_S + RECENT_STEP_S]
+        older = [sn for sn in list(self._snaps) if sn[0] < now]
+        inside = [sn for sn in older
+                  if now - sn[0] <= RECENT_S + RECENT_STEP_S]
         cur = self._merged()
-        if not snaps or snaps[0][0] >= now:
+        if not older:
             return None, list(cur.values())
-        t0, old = snaps[0]
+        # (no snapshot inside the window, when nothing ticked for a long
+        # time: the newest one before it, a longer window, said so)
+        t0, old = inside[0] if inside else older[-1]
         out = []
         for name, st in cur.items():
             d = _stats_since(st, old.get(name))

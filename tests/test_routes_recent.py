@@ -66,6 +66,19 @@ def test_the_window_slides_and_idle_routes_drop_out():
     assert len(agg._snaps) == n and agg._snaps[-1][0] < now
 
 
+def test_without_a_drain_loop_calls_far_apart_still_window():
+    """No drain loop (each call takes the snapshot that is due): two calls
+    ten minutes apart count what came after the first one's snapshot,
+    not since the start."""
+    agg = RouteAggregates(_registry.RouteCounts)
+    agg.counts.record("/before", 200, False, 0.01)
+    agg.to_records("recent", now=1000.0)   # (takes a snapshot)
+    agg.counts.record("/after", 200, False, 0.01)
+    covered, stats = agg.recent(now=1600.0)
+    assert covered == 600.0
+    assert {st.route for st in stats} == {"/after"}
+
+
 def test_sampled_numbers_are_windowed_too():
     agg = RouteAggregates(_registry.RouteCounts)
     agg.counts.record("/s", 200, False, 0.01)
