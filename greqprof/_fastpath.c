@@ -73,11 +73,18 @@ static PyObject *clean_text_take(PyObject *s)
     return r;
 }
 
-/* str(v)[:max], cleaned: a new reference, or NULL with an exception set.
+/* str(v)[:max] (bytes: as latin-1), cleaned: a new reference, or NULL
+ * with an exception set.
  * v is held meanwhile (its __str__ may remove it from where it was
  * borrowed). */
 static PyObject *str_cut(PyObject *v, Py_ssize_t max)
 {
+    if (PyBytes_Check(v)) {
+        /* (bytes are latin-1 text, WSGI's rule, not their repr) */
+        Py_ssize_t n = PyBytes_GET_SIZE(v);
+        return clean_text_take(PyUnicode_DecodeLatin1(
+            PyBytes_AS_STRING(v), n < max ? n : max, NULL));
+    }
     Py_INCREF(v);
     PyObject *s = PyUnicode_CheckExact(v) ? Py_NewRef(v) : PyObject_Str(v);
     Py_DECREF(v);

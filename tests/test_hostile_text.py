@@ -24,6 +24,7 @@ import types
 import gevent
 import pytest
 
+import greqprof
 from conftest import CHILD_CWD, child_env
 from greqprof import RequestProfile
 
@@ -290,3 +291,27 @@ def test_profiler_records_are_clean(make_profiler):
         out = r.render(prof)
         if isinstance(out, str):
             out.encode("utf-8")
+
+
+def test_bytes_environ_values_are_latin1_text():
+    """A caller that is not PEP 3333 (bytes in the environ): method, path
+    and request id are read as latin-1, as a bytes status is, not
+    recorded as their repr."""
+    got = []
+
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return [b"x"]
+    mw = greqprof.ProfilingMiddleware(app, pct=1.0, linger=0, report=False,
+                                      sink=got.append)
+
+    def call():
+        body = mw({"REQUEST_METHOD": b"GET", "PATH_INFO": b"/caf\xe9\x85",
+                   "HTTP_X_REQUEST_ID": b"id1"}, lambda *a: None)
+        assert list(body) == [b"x"]
+        body.close()
+    gevent.spawn(call).join()
+    assert len(got) == 1
+    p = got[0]
+    assert (p.method, p.path, p.request_id) == ("GET", "/caf\u00e9\\x85",
+                                                "id1")
