@@ -204,10 +204,15 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject **interrupt)
     err_clear();
     v = PyObject_CallOneArg(rt->namer, environ);
     if (v && PyUnicode_CheckExact(v) &&
-        PyDict_GET_SIZE(rt->cache) < RT_CACHE_MAX &&
-        PyUnicode_GET_LENGTH(path) <= RT_CACHE_PATH &&
-        PyDict_SetItem(rt->cache, path, v) < 0) {
-        err_clear();
+        PyUnicode_GET_LENGTH(path) <= RT_CACHE_PATH) {
+        if (PyDict_GET_SIZE(rt->cache) >= RT_CACHE_MAX) {
+            /* Full of paths seen once (/items/1, /items/2, ...): start
+             * again, so the paths seen often come back in. */
+            PyDict_Clear(rt->cache);
+        }
+        if (PyDict_SetItem(rt->cache, path, v) < 0) {
+            err_clear();
+        }
     }
     Py_DECREF(path);
     goto checked;

@@ -585,6 +585,31 @@ def test_a_scanner_costs_bounded_memory(serve):
     assert c.cached_paths == 150   # (only the short ones)
 
 
+def test_the_path_cache_starts_again_when_full():
+    """Paths seen once (ids) fill the path -> route cache; then it starts
+    again instead of sending every new path to the Python namer for
+    good."""
+    mw = ProfilingMiddleware(app_of_paths, pct=0.0, report=False,
+                             stack_hz=0, blocking_ms=None, summary_s=None)
+    c = mw._routes.counts
+
+    def get(path):
+        body = mw({"PATH_INFO": path, "SCRIPT_NAME": "",
+                   "REQUEST_METHOD": "GET"}, lambda *a: None)
+        assert list(body) == [b"ok"]
+    for i in range(4096):
+        get("/items/%d" % i)
+    assert c.cached_paths == 4096
+    for i in range(10):
+        get("/later/%d" % i)
+    assert c.cached_paths == 10
+    get("/health")
+    get("/health")
+    assert c.cached_paths == 11
+    assert counts(mw) == {"/items/{id}": 4096, "/later/{id}": 10,
+                          "/health": 2}
+
+
 def test_sampled_requests_of_a_route_named_uncleanly_count_under_its_name(
         serve):
     """Each sampled request of a route whose raw name is cleaned (the name
