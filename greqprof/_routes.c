@@ -14,6 +14,7 @@
  *
  * Included by _core.c after _sampled.c (it uses gqp_body and gqp_req). */
 #include <math.h>
+#include <string.h>
 #include <time.h>
 
 #define RT_BUCKETS (8 * 34)      /* routes.WallHistogram's */
@@ -156,6 +157,80 @@ static void rt_record(gqp_rt *rt, PyObject *route, int status, int error,
     }
 }
 
+/* routes.ID_SEGMENT in C: digits, a UUID, or 16+ hex digits with a digit
+ * among them. */
+static int rt_is_id(const char *p, Py_ssize_t n)
+{
+    Py_ssize_t digits = 0, hex = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char c = p[i];
+        if (c >= '0' && c <= '9') {
+            digits++;
+            hex++;
+        } else if ((c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')) {
+            hex++;
+        }
+    }
+    if (n > 0 && digits == n) {
+        return 1;
+    }
+    if (n >= 16 && hex == n && digits > 0) {
+        return 1;
+    }
+    if (n == 36 && hex == 32 && p[8] == '-' && p[13] == '-' &&
+        p[18] == '-' && p[23] == '-') {
+        return 1;
+    }
+    return 0;
+}
+
+#define RT_MAX_ROUTE 200         /* routes.MAX_ROUTE */
+
+/* routes.path_route(path) in C for the common case, a short printable
+ * ASCII path whose name needs no cut: a new reference, or NULL (no error
+ * set) for Python to name.  (A path not in the cache, an id in it most
+ * likely, costs no Python call then.) */
+static PyObject *rt_path_route(PyObject *path)
+{
+    if (!PyUnicode_IS_ASCII(path)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyUnicode_GET_LENGTH(path);
+    const char *s = (const char *)PyUnicode_1BYTE_DATA(path);
+    if (n > RT_CACHE_PATH) {
+        return NULL;
+    }
+    if (n == 0) {
+        return PyUnicode_FromStringAndSize("/", 1);
+    }
+    char out[RT_MAX_ROUTE + 8];
+    Py_ssize_t len = 0, start = 0;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        if (i < n && (s[i] < 0x20 || s[i] == 0x7f)) {
+            return NULL;   /* (escaped by clean(): Python) */
+        }
+        if (i < n && s[i] != '/') {
+            continue;
+        }
+        const char *seg = s + start;
+        Py_ssize_t k = i - start;
+        if (rt_is_id(seg, k)) {
+            seg = "{id}";
+            k = 4;
+        }
+        if (len + k + 1 > RT_MAX_ROUTE) {
+            return NULL;   /* (cut with "...": Python) */
+        }
+        memcpy(out + len, seg, (size_t)k);
+        len += k;
+        if (i < n) {
+            out[len++] = '/';
+        }
+        start = i + 1;
+    }
+    return PyUnicode_FromStringAndSize(out, len);
+}
+
 /* The request's route (a new reference; NULL only with no error set when
  * nothing named it).  When the route= callable raised what is not an
  * Exception (an interrupt, a greenlet's kill), the request is named by
@@ -202,7 +277,11 @@ static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject **interrupt)
     }
     Py_INCREF(path);
     err_clear();
-    v = PyObject_CallOneArg(rt->namer, environ);
+    v = rt_path_route(path);
+    if (!v) {
+        err_clear();
+        v = PyObject_CallOneArg(rt->namer, environ);
+    }
     if (v && PyUnicode_CheckExact(v) &&
         PyUnicode_GET_LENGTH(path) <= RT_CACHE_PATH) {
         if (PyDict_GET_SIZE(rt->cache) >= RT_CACHE_MAX) {

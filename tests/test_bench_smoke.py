@@ -157,3 +157,14 @@ def test_clock_jumps_runs():
     m = re.search(r"burns of 15 ms: (\d+), in 2 threads", proc.stdout)
     assert m and int(m.group(1)) == 3 * (2 + 3), proc.stdout
     assert re.search(r"median 1[5-9]\.\d\d ms", proc.stdout), proc.stdout
+
+
+def test_route_names_runs():
+    """bench/route_names.py counts every call under the route it names."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "route_names.py"),
+         "--n", "300", "--reps", "2"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "'/items/{id}/detail': 1200" in proc.stdout, proc.stdout
+    assert re.search(r"a new id each request +\d+\.\d\d us", proc.stdout)

@@ -610,6 +610,35 @@ def test_the_path_cache_starts_again_when_full():
                           "/health": 2}
 
 
+def test_paths_named_in_c_match_the_python_rule():
+    """The C namer of a path not in the cache (short printable ASCII)
+    gives what routes.path_route gives, ids and all; anything else is
+    left to Python."""
+    import collections
+    import random
+    rng = random.Random(21)
+    alphabet = "0123456789abcdefABCDEFxyz-_./~%\\ \x01\x7f"
+    pieces = ["123", "0", "deadbeefdeadbeef1", "deadbeefdeadbeefx",
+              "abcdefabcdefabcdef", "123e4567-e89b-12d3-a456-426614174000",
+              "123e4567-e89b-12d3-a456-42661417400g", "items", "", "x" * 60]
+    paths = ["", "/", "//", "/" + "1/" * 150, "/" + "ab/" * 70,
+             "/caf\u00e9/1"]
+    for _ in range(3000):
+        parts = [rng.choice(pieces) if rng.random() < 0.5 else "".join(
+            rng.choice(alphabet) for _ in range(rng.randrange(0, 20)))
+            for _ in range(rng.randrange(1, 6))]
+        paths.append("/".join(parts))
+    mw = ProfilingMiddleware(app_of_paths, pct=0.0, report=False,
+                             stack_hz=0, blocking_ms=None, summary_s=None,
+                             max_routes=100000)
+    for path in paths:
+        body = mw({"PATH_INFO": path, "SCRIPT_NAME": "",
+                   "REQUEST_METHOD": "GET"}, lambda *a: None)
+        list(body)
+    want = collections.Counter(routes.path_route(p) for p in paths)
+    assert counts(mw) == dict(want)
+
+
 def test_sampled_requests_of_a_route_named_uncleanly_count_under_its_name(
         serve):
     """Each sampled request of a route whose raw name is cleaned (the name
