@@ -405,9 +405,6 @@ static PyObject *rt_cell_tuple(PyObject *route, rt_cell *c)
                          c->max);
 }
 
-/* snapshot() -> [(route, requests, errors, (1xx..5xx, other), histogram
- * bytes (uint64 counts), total, min, max)], "<other>" included when it
- * counted anything. */
 /* 1 when `known` (a dict, or NULL) says the route had c's requests. */
 static int rt_unchanged(PyObject *known, PyObject *key, const rt_cell *c)
 {
@@ -427,9 +424,11 @@ static int rt_unchanged(PyObject *known, PyObject *key, const rt_cell *c)
     return v == c->requests;
 }
 
-/* snapshot([known]): the table's rows; with `known` (route -> requests),
- * only the rows that counted requests since (a once-a-second reader
- * skips a large table's idle routes without building their rows). */
+/* snapshot([known]) -> [(route, requests, errors, (1xx..5xx, other),
+ * histogram bytes (uint64 counts), total, min, max)], "<other>" included
+ * when it counted anything; with `known` (route -> requests), only the
+ * rows that counted requests since (a once-a-second reader skips a large
+ * table's idle routes without building their rows). */
 static PyObject *rt_snapshot(gqp_rt *rt, PyObject *args)
 {
     PyObject *known = NULL;

@@ -77,7 +77,7 @@ class Metrics:
         # once a second, a table of thousands of mostly idle routes)
         self._known = {}         # raw route -> its requests at the last sync
         self._rows = {}          # raw route -> (classes, buckets, total)
-        self._extra_seen = {}    # route -> (sampled, cpu_sum, cpu_n, blocking)
+        self._extra_seen = {}    # route -> (cpu_sum, cpu_n, blocking)
         self._blocked_seen = 0.0
         # WallHistogram buckets [a, b) -> BUCKETS index j (monotonic)
         self._ranges = []
@@ -132,9 +132,8 @@ class Metrics:
         self._known[raw] = requests
 
     def _sync_extra(self, route, now):
-        sampled, cpu_sum, cpu_n, blocking = now
-        o_sampled, o_cpu, o_cpu_n, o_blocking = self._extra_seen.get(
-            route, (0, 0.0, 0, 0))
+        cpu_sum, cpu_n, blocking = now
+        o_cpu, o_cpu_n, o_blocking = self._extra_seen.get(route, (0.0, 0, 0))
         if cpu_n > o_cpu_n:
             c = self.cpu.labels(route)
             c._count.inc(cpu_n - o_cpu_n)

@@ -594,14 +594,14 @@ class RouteAggregates:
         return st
 
     def take_changed(self):
-        """{route: (sampled, cpu_sum, cpu_n, blocking)} of the routes
-        whose sampled part or blocking changed since the last call (for
+        """{route: (cpu_sum, cpu_n, blocking)} of the routes whose
+        sampled part or blocking changed since the last call (for
         greqprof/metrics.py: a large table's idle routes cost nothing)."""
         with self._lock:
             out = {}
             for route in self._changed:
                 st = self._extra[route]
-                out[route] = (st.sampled, st.cpu_sum, st.cpu_n, st.blocking)
+                out[route] = (st.cpu_sum, st.cpu_n, st.blocking)
             self._changed.clear()
         return out
 
