@@ -516,6 +516,17 @@ static PyObject *rt_get_errors(gqp_rt *rt, void *c)
     return PyLong_FromUnsignedLongLong(rt->namer_errors);
 }
 
+/* (summed when read, once a summary period: nothing per request) */
+static PyObject *rt_get_requests(gqp_rt *rt, void *c)
+{
+    (void)c;
+    uint64_t n = 0;
+    for (Py_ssize_t i = 0; i < rt->ncells; i++) {
+        n += rt->cells[i].requests;
+    }
+    return PyLong_FromUnsignedLongLong(n);
+}
+
 static PyMethodDef rt_methods[] = {
     {"snapshot", (PyCFunction)rt_snapshot, METH_VARARGS,
      "snapshot([known]) -> [(route, requests, errors, status classes, "
@@ -540,6 +551,8 @@ static PyObject *rt_get_cached(gqp_rt *rt, void *c)
 static PyGetSetDef rt_getset[] = {
     {"cached_paths", (getter)rt_get_cached, NULL,
      "Paths whose route name is cached (at most 4096).", NULL},
+    {"requests", (getter)rt_get_requests, NULL,
+     "Requests counted, all routes and <other>.", NULL},
     {"overflowed", (getter)rt_get_overflowed, NULL,
      "Requests counted under <other>: the table was full.", NULL},
     {"namer_errors", (getter)rt_get_errors, NULL,

@@ -584,8 +584,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if now < self._summary_next:
             return
         self._summary_next = now + self.summary_s
-        records = self._routes.to_records()
-        total = sum(r["requests"] for r in records)
+        total = self._routes.counts.requests
         if total == self._summary_seen:
             return
         ran, self._summary_seen = total - self._summary_seen, total
@@ -593,6 +592,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         logs.ensure_visible(log)
         if not (log.isEnabledFor(logging.INFO) and logs.would_emit(log)):
             return
+        records = self._routes.summary_records()
         log.info(routes.summary_line(records, ran, self.summary_s,
                                      self.pid, self.json_logs))
 

@@ -21,8 +21,10 @@ middleware counts every request in C (greqprof/_routes.c: requests,
 errors, status classes, the wall histogram below) and calls the namer
 here only for what C does not name itself; :class:`RouteAggregates` joins
 those counts with what sampled requests and blocking events add."""
+import bisect
 import codecs
 import collections
+import itertools
 import math
 import re
 import sys
@@ -367,16 +369,32 @@ class WallHistogram:
     def quantile(self, q):
         """Estimated nearest-rank ``q`` quantile (0 < q <= 1) in seconds;
         None when empty."""
-        if not 0 < q <= 1:
-            raise ValueError("a quantile is in (0, 1], got %r" % (q,))
+        return self.quantiles((q,))[0]
+
+    def quantiles(self, qs):
+        """:meth:`quantile` of each of ``qs``, the running counts summed
+        once (a summary over hundreds of routes holds the GIL for it)."""
+        for q in qs:
+            if not 0 < q <= 1:
+                raise ValueError("a quantile is in (0, 1], got %r" % (q,))
         if not self.n:
-            return None
-        rank = max(math.ceil(q * self.n - 1e-9), 1)
-        seen = 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank:
-                break
+            return [None] * len(qs)
+        # (running counts over the buckets that hold any, found in C:
+        # durations cluster, so a handful of the 274)
+        lo, hi = _nonzero_range(self.counts)
+        cum = list(itertools.accumulate(self.counts[lo:hi]))
+        out = []
+        for q in qs:
+            rank = max(math.ceil(q * self.n - 1e-9), 1)
+            # (the first bucket whose running count reaches the rank;
+            # none, when the counts fall short of n: the last one)
+            k = bisect.bisect_left(cum, rank)
+            out.append(self._estimate(
+                lo + k if k < len(cum) else self.BUCKETS + 1))
+        return out
+
+    def _estimate(self, i):
+        """The duration bucket i stands for, within the extremes seen."""
         if i == 0:
             est = self.LOW / 2
         elif i == self.BUCKETS + 1:
@@ -384,6 +402,19 @@ class WallHistogram:
         else:
             est = self.LOW * self._RATIO ** (i - 0.5)
         return min(max(est, self.min), self.max)
+
+
+def _nonzero_range(counts):
+    """(lo, hi): counts[lo:hi] holds every nonzero count of ``counts``
+    (an array of "Q"), found in C steps; (0, 0) when all are zero."""
+    if sys.byteorder != "little":
+        counts = array("Q", counts)
+        counts.byteswap()
+    bits = int.from_bytes(counts.tobytes(), "little")
+    if not bits:
+        return 0, 0
+    return ((bits & -bits).bit_length() - 1) // 64, \
+        (bits.bit_length() + 63) // 64
 
 
 def _seconds(what, value):
@@ -431,6 +462,7 @@ class RouteStats:
         """A plain dict (see :meth:`RouteTable.to_records`)."""
         w = self.wall
         cpu = self.cpu_sum / self.cpu_n if self.cpu_n else None
+        p50, p95, p99 = w.quantiles((0.5, 0.95, 0.99))
         return {
             "route": self.route,
             "requests": self.requests,
@@ -438,9 +470,9 @@ class RouteStats:
             "sampled": self.sampled,
             "wall_mean": w.total / w.n if w.n else None,
             "wall_max": w.max if w.n else None,
-            "wall_p50": w.quantile(0.5),
-            "wall_p95": w.quantile(0.95),
-            "wall_p99": w.quantile(0.99),
+            "wall_p50": p50,
+            "wall_p95": p95,
+            "wall_p99": p99,
             "cpu": cpu,
             "cpu_total": cpu * self.requests if cpu is not None else None,
             "waiting": (self.waiting_sum / self.waiting_n
@@ -564,6 +596,12 @@ class RouteAggregates:
         self._snaps = collections.deque(
             maxlen=RECENT_S // RECENT_STEP_S + 1)
         self._snap_next = None
+        # tick()'s view of the C table: raw route -> requests (what C
+        # skips), raw route -> (name, its row's counts), name -> raw routes
+        self._tick_known = {}
+        self._tick_rows = {}
+        self._tick_raws = {}
+        self._tick_lock = threading.Lock()
 
     def _name_environ(self, environ, interrupted=False):
         # (called from C; never raises: a failing route= is counted;
@@ -660,9 +698,12 @@ class RouteAggregates:
             st.errors += err
             st.status = [a + b for a, b in zip(st.status, classes)]
             w = st.wall
-            for i, c in enumerate(array("Q", hist)):
-                if c:
-                    w.counts[i] += c
+            if not w.n:
+                w.counts = array("Q", hist)
+            else:   # (two raw names cut to one: rare)
+                for i, c in enumerate(array("Q", hist)):
+                    if c:
+                        w.counts[i] += c
             w.n += req
             w.total += total
             if req:
@@ -693,6 +734,21 @@ class RouteAggregates:
             for site, sec in top]
         return rec
 
+    def summary_records(self):
+        """Since start, per route, what the summary line reads (route,
+        requests, errors, sampled, cpu, cpu_total, wall_p99): without the
+        other quantiles, status classes and wait sites to_records builds
+        (it runs in the serving process once a summary period)."""
+        out = []
+        for st in self._merged().values():
+            cpu = st.cpu_sum / st.cpu_n if st.cpu_n else None
+            out.append({
+                "route": st.route, "requests": st.requests,
+                "errors": st.errors, "sampled": st.sampled, "cpu": cpu,
+                "cpu_total": cpu * st.requests if cpu is not None else None,
+                "wall_p99": st.wall.quantiles((0.99,))[0]})
+        return out
+
     def to_records(self, window=None, now=None):
         """One plain dict per route (RouteTable.to_records' keys, plus
         ``status``: requests per status class, "1xx".."5xx", "other", and
@@ -718,35 +774,44 @@ class RouteAggregates:
         now = time.monotonic() if now is None else now
         if self._snap_next is not None and now < self._snap_next:
             return
-        self._snap_next = now + RECENT_STEP_S
-        acc = {}
-        for route, req, err, classes, hist, total, lo, hi in \
-                self.counts.snapshot():
-            name = _name(route) or OTHER
-            a = acc.get(name)
-            if a is None:
-                acc[name] = [req, err, classes, hist, total]
-            else:   # (two names that clean to one: rare)
-                h = array("Q", a[3])
-                for i, c in enumerate(array("Q", hist)):
-                    h[i] += c
-                acc[name] = [a[0] + req, a[1] + err, tuple(
-                    x + y for x, y in zip(a[2], classes)), h.tobytes(),
-                    a[4] + total]
+        with self._tick_lock:   # (the drain loop, and recent() anywhere)
+            if self._snap_next is None or now >= self._snap_next:
+                self._snap_next = now + RECENT_STEP_S
+                self._tick(now)
+
+    def _tick(self, now):
+        # Only the rows that counted requests since the last tick come
+        # back from C (a table of thousands of idle routes used to cost
+        # tens of ms of the GIL a minute); the others keep their _Snap.
+        rows, raws = self._tick_rows, self._tick_raws
+        changed = set()
+        for row in self.counts.snapshot(self._tick_known):
+            raw = row[0]
+            self._tick_known[raw] = row[1]
+            old = rows.get(raw)
+            if old is None:
+                name = _name(raw) or OTHER
+                raws.setdefault(name, []).append(raw)
+            else:
+                name = old[0]
+            rows[raw] = (name, row[1:6])
+            changed.add(name)
         with self._lock:
             extra = {k: tuple(getattr(st, f) for f in _Snap.EXTRA)
                      for k, st in self._extra.items()}
         last = self._snaps[-1][1] if self._snaps else {}
         snap = {}
-        for name in set(acc) | set(extra):
-            req, err, classes, hist, total = acc.get(
-                name, (0, 0, (0,) * 6, None, 0.0))
+        for name in raws.keys() | extra.keys():
             ex = extra.get(name, _Snap.NO_EXTRA)
             old = last.get(name)
-            if old is not None and old.requests == req and old.extra == ex:
+            if old is not None and name not in changed and old.extra == ex:
                 snap[name] = old   # (idle: shared with the last one)
-            else:
-                snap[name] = _Snap(req, err, classes, hist, total, ex)
+                continue
+            if old is not None and name not in changed:
+                snap[name] = old.with_extra(ex)
+                continue
+            snap[name] = _Snap.of_rows(
+                [rows[raw][1] for raw in raws.get(name, ())], ex)
         self._snaps.append((now, snap))
 
     def recent(self, now=None):
@@ -768,7 +833,11 @@ class RouteAggregates:
         t0, old = inside[0] if inside else older[-1]
         out = []
         for name, st in cur.items():
-            d = _stats_since(st, old.get(name))
+            o = old.get(name)
+            if o is not None and o.requests == st.requests and \
+                    o.extra == tuple(getattr(st, f) for f in _Snap.EXTRA):
+                continue   # (idle in the window: its buckets not compared)
+            d = _stats_since(st, o)
             if d.requests or d.sampled or d.blocking:
                 out.append(d)
         return now - t0, out
@@ -788,6 +857,32 @@ class _Snap:
         self.hist = zlib.compress(hist, 1) if hist else None
         self.total, self.extra = total, extra
 
+    @classmethod
+    def of_rows(cls, rows, extra):
+        """The _Snap of a name's C rows ((requests, errors, classes,
+        histogram bytes, total) each; several when raw names clean to
+        one, which is rare)."""
+        if not rows:
+            return cls(0, 0, (0,) * 6, None, 0.0, extra)
+        req, err, classes, hist, total = rows[0]
+        if len(rows) > 1:
+            h = array("Q", hist)
+            for r in rows[1:]:
+                req, err, total = req + r[0], err + r[1], total + r[4]
+                classes = tuple(x + y for x, y in zip(classes, r[2]))
+                for i, c in enumerate(array("Q", r[3])):
+                    h[i] += c
+            hist = h.tobytes()
+        return cls(req, err, classes, hist, total, extra)
+
+    def with_extra(self, extra):
+        """This snapshot's counts with another sampled part."""
+        new = _Snap.__new__(_Snap)
+        new.requests, new.errors, new.status = \
+            self.requests, self.errors, self.status
+        new.hist, new.total, new.extra = self.hist, self.total, extra
+        return new
+
     def counts(self):
         return array("Q", zlib.decompress(self.hist)) if self.hist else \
             array("Q", bytes(8 * (WallHistogram.BUCKETS + 2)))
@@ -805,12 +900,11 @@ def _stats_since(cur, old):
     for k, v in zip(_Snap.EXTRA, old.extra):
         setattr(d, k, getattr(cur, k) - v)
     w, cw = d.wall, cur.wall
-    lo = hi = None
-    for i, (a, b) in enumerate(zip(cw.counts, old.counts())):
-        if a > b:
-            w.counts[i] = a - b
-            lo = i if lo is None else lo
-            hi = i
+    w.counts = array("Q", [a - b if a > b else 0
+                           for a, b in zip(cw.counts, old.counts())])
+    lo, hi = _nonzero_range(w.counts)
+    lo = None if lo == hi else lo
+    hi -= 1
     w.n = d.requests
     w.total = max(cw.total - old.total, 0.0)
     if lo is not None:

@@ -168,3 +168,19 @@ def test_route_names_runs():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "'/items/{id}/detail': 1200" in proc.stdout, proc.stdout
     assert re.search(r"a new id each request +\d+\.\d\d us", proc.stdout)
+
+
+def test_route_tables_runs():
+    """bench/route_tables.py times each periodic pass over the table."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "route_tables.py"),
+         "--routes", "40,80", "--repeat", "2"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = re.findall(r"^\| (.+?) \| (\d+\.\d) ms \| (\d+\.\d) ms \|$",
+                      proc.stdout, re.M)
+    assert [r[0] for r in rows] == [
+        "recent-window snapshot (tick), 5 % busy",
+        "summary line (summary_records + summary_line)",
+        "to_records() since start", 'to_records("recent"), 5 % busy',
+        'to_records("recent"), all busy'], proc.stdout

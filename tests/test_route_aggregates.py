@@ -5,14 +5,15 @@ summary; real gevent.pywsgi servers over real sockets (gunicorn:
 test_gunicorn.py)."""
 import json
 import logging
+import random
 import time
 
 import gevent
 import pytest
 
 import greqprof
-from greqprof import ProfilingMiddleware, routes
-from greqprof.routes import OTHER
+from greqprof import ProfilingMiddleware, _registry, routes
+from greqprof.routes import OTHER, RouteAggregates
 from test_middleware import (http, parse_response, connect, read_all,  # noqa
                              serve, wait_for)
 from conftest import need_module
@@ -373,6 +374,29 @@ def test_the_summary_line(serve, caplog):
     assert d["requests_in_period"] == 1
     assert d["top_p99"][0]["route"] == "/sleep"
     assert {x["route"] for x in d["top_cpu"]} == {"/items/{id}", "/sleep"}
+
+
+def test_summary_records_are_to_records_cut_down():
+    """The summary line reads summary_records(): the same numbers as
+    to_records() for its keys; counts.requests sums every route's."""
+    agg = RouteAggregates(_registry.RouteCounts, max_routes=3)
+    rnd = random.Random(3)
+    for i in range(200):
+        agg.counts.record("/r%d" % (i % 5), 500 if i % 9 == 0 else 200,
+                          False, rnd.lognormvariate(-5, 1))
+    agg.add_sampled("/r1", 0.003, 0.001)
+    agg.add_sampled("/r1", 0.005, None)
+    full = {r["route"]: r for r in agg.to_records()}
+    cut = {r["route"]: r for r in agg.summary_records()}
+    assert set(cut) == set(full) and routes.OTHER in cut
+    for route, r in cut.items():
+        assert r == {k: full[route][k] for k in r}, route
+    assert set(next(iter(cut.values()))) == {
+        "route", "requests", "errors", "sampled", "cpu", "cpu_total",
+        "wall_p99"}
+    assert cut["/r1"]["cpu"] == pytest.approx(0.004)
+    assert agg.counts.requests == 200 == sum(r["requests"]
+                                             for r in cut.values())
 
 
 def test_summary_is_logged_by_the_drain_loop(serve, caplog):

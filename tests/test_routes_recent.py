@@ -94,6 +94,54 @@ def test_sampled_numbers_are_windowed_too():
     assert rec["sampled"] == 2 and rec["blocking"] == 1
 
 
+def test_ticks_reuse_idle_routes_and_stay_exact():
+    """A tick rebuilds only the routes that changed since the last one
+    (C skips the idle rows); what the window says stays what a tick from
+    scratch would say: per route, two raw names cut to one, a route whose
+    sampled part alone changed."""
+    agg = RouteAggregates(_registry.RouteCounts, max_routes=3000)
+    c = agg.counts
+    long_a, long_b = "/" + "x" * 300 + "a", "/" + "x" * 300 + "b"
+    for i in range(2000):
+        c.record("/r%d" % i, 200, False, 0.001)
+    c.record(long_a, 200, False, 0.01)
+    agg.add_sampled("/r7", 0.004, 0.002)
+    agg.tick(now=100.0)
+    first = agg._snaps[-1][1]
+    assert len(first) == 2001 and first[routes.route_name(long_a)] \
+        .requests == 1
+    # Since: /r1 counted, the second long name (cut to the same route)
+    # appeared, /r7's sampled part changed alone.
+    c.record("/r1", 500, False, 0.2)
+    c.record(long_b, 200, False, 0.02)
+    agg.add_sampled("/r7", 0.006, 0.001)
+    agg.tick(now=100.0 + RECENT_STEP_S)
+    second = agg._snaps[-1][1]
+    assert second["/r2"] is first["/r2"]   # (idle: shared, not rebuilt)
+    assert second["/r1"].requests == 2 and second["/r1"].errors == 1
+    long_name = routes.route_name(long_a)
+    assert routes.route_name(long_b) == long_name
+    assert second[long_name].requests == 2
+    assert second["/r7"].requests == 1 and second["/r7"].extra[0] == 2
+    assert second["/r7"].hist == first["/r7"].hist
+    # The window from the first snapshot: exactly what came after it.
+    c.record("/r3", 200, False, 0.05)
+    recent = by_route(agg.to_records("recent", now=100.0 + 30))
+    assert set(recent) == {"/r1", long_name, "/r7", "/r3"}
+    assert recent["/r1"]["requests"] == 1 and recent["/r1"]["errors"] == 1
+    assert recent[long_name]["requests"] == 1
+    assert recent[long_name]["wall_p50"] == pytest.approx(0.02, rel=0.045)
+    assert recent["/r7"]["requests"] == 0 and recent["/r7"]["sampled"] == 1
+    assert recent["/r3"]["requests"] == 1
+    # A third tick, /r3 alone changed: the window still starts at the
+    # first snapshot and says the same.
+    again = by_route(agg.to_records("recent",
+                                    now=100.0 + 2 * RECENT_STEP_S + 1))
+    assert {k: v["requests"] for k, v in again.items()} == \
+        {k: v["requests"] for k, v in recent.items()}
+    assert agg._snaps[-1][1]["/r2"] is first["/r2"]
+
+
 @pytest.mark.parametrize("window", ["last", 5, ""])
 def test_a_bad_window_says_what_is_wrong(window):
     agg = RouteAggregates(_registry.RouteCounts)
