@@ -184,7 +184,17 @@ ci-packaging: sdist
 
 test: system-deps ctest ctest-asan valgrind tsan fuzz pytest-asan test-wheels
 
-demo: venv
+# The demo needs only the runtime dependencies; the stamp rebuilds the
+# editable install when a source changes, not on every run.
+DEMO_READY := $(VENV)/.demo-ready
+$(DEMO_READY): $(VPY) setup.py pyproject.toml greqprof/_ffi_build.py \
+  $(wildcard greqprof/*.c greqprof/*.h greqprof/_hooks/*.c greqprof/_hooks/*.h \
+    libgreqprof/*.c libgreqprof/*.h libgreqprof/include/*.h)
+	$(VPY) -m pip install -q cffi greenlet gevent
+	$(VPY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+demo: $(DEMO_READY)
 	$(VPY) examples/demo.py
 
 bench: venv

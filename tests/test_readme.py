@@ -137,3 +137,16 @@ def test_inline_gunicorn_config_wraps_the_worker_app(doc, monkeypatch):
         ns["worker_exit"](None, _Worker(_app))   # a worker it never wrapped
     finally:
         log.handlers[:], log.level, log.propagate = saved
+
+
+def test_every_middleware_option_is_in_the_production_docs():
+    """docs/production.md's tables promise every option: each keyword of
+    ProfilingMiddleware is named there."""
+    import inspect
+    doc = _read(os.path.join(ROOT, "docs", "production.md"))
+    params = [p for p in inspect.signature(
+        greqprof.ProfilingMiddleware.__init__).parameters
+        if p not in ("self", "app")]
+    assert len(params) > 30
+    assert [p for p in params
+            if "`%s`" % p not in doc and "`%s=`" % p not in doc] == []
