@@ -202,4 +202,4 @@ bench: venv
 	$(VPY) bench/call_overhead.py --markdown
 
 clean:
-	rm -rf build dist greqprof/_core.c greqprof/_core*.so *.egg-info
+	rm -rf build dist greqprof/_core.c greqprof/_core*.so *.egg-info $(DEMO_READY)

@@ -32,6 +32,9 @@ def _original(module, name):
 real_get_ident = _original("_thread", "get_ident")
 #: thread-local storage of OS threads (not greenlet-local under patching)
 RealThreadLocal = _original("_thread", "_local")
+#: a lock of OS threads (under patching, a gevent lock waited on from
+#: another thread can hang it; for sections that never yield)
+RealLock = _original("_thread", "allocate_lock")
 
 
 class _ThreadToken:

@@ -35,6 +35,7 @@ from array import array
 
 from greenlet import getcurrent
 
+from ._lowlevel import RealLock as _RealLock
 from ._text import clean
 
 __all__ = ["set_route", "path_route", "framework_route", "RouteNamer",
@@ -587,7 +588,7 @@ class RouteAggregates:
         self._extra = {}   # route -> RouteStats (sampled part, blocking)
         self._changed = set()   # routes of _extra changed since take_changed
         self._waits = {}   # route -> {wait site: seconds}, sampled
-        self._lock = threading.Lock()
+        self._lock = _RealLock()
         #: blocking events and their seconds, all requests and none
         self.blocking = 0
         self.blocked = 0.0
@@ -597,11 +598,14 @@ class RouteAggregates:
             maxlen=RECENT_S // RECENT_STEP_S + 1)
         self._snap_next = None
         # tick()'s view of the C table: raw route -> requests (what C
-        # skips), raw route -> (name, its row's counts), name -> raw routes
+        # skips), raw route -> (name, _Snap of its row), name -> raw routes
         self._tick_known = {}
         self._tick_rows = {}
         self._tick_raws = {}
-        self._tick_lock = threading.Lock()
+        # (OS-thread locks even under gevent.monkey: nothing under them
+        # yields, and a patched lock held in one thread's drain loop hung
+        # another thread's reader)
+        self._tick_lock = _RealLock()
 
     def _name_environ(self, environ, interrupted=False):
         # (called from C; never raises: a failing route= is counted;
@@ -747,6 +751,7 @@ class RouteAggregates:
                 "errors": st.errors, "sampled": st.sampled, "cpu": cpu,
                 "cpu_total": cpu * st.requests if cpu is not None else None,
                 "wall_p99": st.wall.quantiles((0.99,))[0]})
+        out.sort(key=lambda r: (-r["requests"], r["route"]))   # (ties)
         return out
 
     def to_records(self, window=None, now=None):
@@ -783,36 +788,44 @@ class RouteAggregates:
         # Only the rows that counted requests since the last tick come
         # back from C (a table of thousands of idle routes used to cost
         # tens of ms of the GIL a minute); the others keep their _Snap.
+        # Each raw route's latest row is kept as a _Snap (compressed, and
+        # for a name of one raw route the very object the name's snapshot
+        # shares); nothing is kept until the snapshot is taken whole.
         rows, raws = self._tick_rows, self._tick_raws
-        changed = set()
+        fresh = {}   # raw -> (name, _Snap of its row alone)
         for row in self.counts.snapshot(self._tick_known):
             raw = row[0]
-            self._tick_known[raw] = row[1]
             old = rows.get(raw)
-            if old is None:
-                name = _name(raw) or OTHER
-                raws.setdefault(name, []).append(raw)
-            else:
-                name = old[0]
-            rows[raw] = (name, row[1:6])
-            changed.add(name)
+            fresh[raw] = (old[0] if old is not None else
+                          _name(raw) or OTHER,
+                          _Snap(*row[1:6], _Snap.NO_EXTRA))
+        new_raws = {}
+        for raw, (name, _) in fresh.items():
+            if raw not in rows:
+                new_raws.setdefault(name, []).append(raw)
+        changed = {name for name, _ in fresh.values()}
         with self._lock:
             extra = {k: tuple(getattr(st, f) for f in _Snap.EXTRA)
                      for k, st in self._extra.items()}
         last = self._snaps[-1][1] if self._snaps else {}
         snap = {}
-        for name in raws.keys() | extra.keys():
+        for name in raws.keys() | new_raws.keys() | extra.keys():
             ex = extra.get(name, _Snap.NO_EXTRA)
             old = last.get(name)
-            if old is not None and name not in changed and old.extra == ex:
-                snap[name] = old   # (idle: shared with the last one)
-                continue
             if old is not None and name not in changed:
-                snap[name] = old.with_extra(ex)
+                # (idle: shared with the last one, or only its sampled
+                # part changed)
+                snap[name] = old if old.extra == ex else old.with_extra(ex)
                 continue
-            snap[name] = _Snap.of_rows(
-                [rows[raw][1] for raw in raws.get(name, ())], ex)
+            parts = [fresh[raw][1] if raw in fresh else rows[raw][1]
+                     for raw in raws.get(name, []) + new_raws.get(name, [])]
+            snap[name] = _Snap.merged(parts, ex)
         self._snaps.append((now, snap))
+        for raw, (name, rs) in fresh.items():
+            rows[raw] = (name, rs)
+            self._tick_known[raw] = rs.requests
+        for name, new in new_raws.items():
+            raws.setdefault(name, []).extend(new)
 
     def recent(self, now=None):
         """(seconds covered, [RouteStats of the requests counted since
@@ -858,25 +871,26 @@ class _Snap:
         self.total, self.extra = total, extra
 
     @classmethod
-    def of_rows(cls, rows, extra):
-        """The _Snap of a name's C rows ((requests, errors, classes,
-        histogram bytes, total) each; several when raw names clean to
-        one, which is rare)."""
-        if not rows:
+    def merged(cls, parts, extra):
+        """The _Snap of a name from the _Snaps of its raw routes' rows
+        (several when raw names clean to one, which is rare)."""
+        if not parts:
             return cls(0, 0, (0,) * 6, None, 0.0, extra)
-        req, err, classes, hist, total = rows[0]
-        if len(rows) > 1:
-            h = array("Q", hist)
-            for r in rows[1:]:
-                req, err, total = req + r[0], err + r[1], total + r[4]
-                classes = tuple(x + y for x, y in zip(classes, r[2]))
-                for i, c in enumerate(array("Q", r[3])):
-                    h[i] += c
-            hist = h.tobytes()
-        return cls(req, err, classes, hist, total, extra)
+        if len(parts) == 1:
+            return parts[0].with_extra(extra)
+        hist = parts[0].counts()
+        for p in parts[1:]:
+            for i, c in enumerate(p.counts()):
+                hist[i] += c
+        return cls(sum(p.requests for p in parts),
+                   sum(p.errors for p in parts),
+                   tuple(sum(col) for col in zip(*(p.status for p in parts))),
+                   hist.tobytes(), sum(p.total for p in parts), extra)
 
     def with_extra(self, extra):
         """This snapshot's counts with another sampled part."""
+        if extra == self.extra:
+            return self
         new = _Snap.__new__(_Snap)
         new.requests, new.errors, new.status = \
             self.requests, self.errors, self.status
@@ -922,7 +936,8 @@ SUMMARY_TOP = 5
 
 
 def summary_line(records, ran, period, pid=0, as_json=False):
-    """The periodic summary of ``records`` (to_records()): ``ran``
+    """The periodic summary of ``records`` (summary_records(), or
+    to_records()): ``ran``
     requests in the last ``period`` seconds, the top routes by total CPU
     (estimated from the sampled requests) and by p99 wall time, both since
     start.  Text, or one JSON object (``schema`` "greqprof.routes/1")."""

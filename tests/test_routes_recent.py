@@ -142,6 +142,76 @@ def test_ticks_reuse_idle_routes_and_stay_exact():
     assert agg._snaps[-1][1]["/r2"] is first["/r2"]
 
 
+def test_a_tick_that_fails_leaves_the_next_one_right(monkeypatch):
+    """A snapshot that raises half way (here: out of memory compressing
+    a histogram; the drain loop counts it as an internal error) keeps
+    nothing of itself: the next one still sees what ran since the last
+    snapshot that was taken."""
+    agg = RouteAggregates(_registry.RouteCounts)
+    agg.counts.record("/a", 200, False, 0.01)
+    agg.tick(now=1000.0)
+    for _ in range(10):
+        agg.counts.record("/a", 200, False, 0.01)
+
+    def no_memory(*a, **k):
+        raise MemoryError
+    monkeypatch.setattr(routes.zlib, "compress", no_memory)
+    with pytest.raises(MemoryError):
+        agg.tick(now=1000.0 + RECENT_STEP_S)
+    monkeypatch.undo()
+    agg.tick(now=1000.0 + 2 * RECENT_STEP_S)
+    assert agg._snaps[-1][1]["/a"].requests == 11
+    agg.counts.record("/a", 200, False, 0.01)
+    recent = by_route(agg.to_records("recent", now=1400.0))
+    assert recent["/a"]["requests"] == 1
+
+
+TICKING_THREADS = """
+import itertools, sys, time
+from gevent import monkey; monkey.patch_all()
+import gevent
+from greqprof import _registry, routes
+real_sleep = monkey.get_original("time", "sleep")
+start_thread = monkey.get_original("_thread", "start_new_thread")
+agg = routes.RouteAggregates(_registry.RouteCounts, max_routes=3000)
+for r in range(2000):
+    agg.counts.record("/r%d" % r, 200, False, 0.001)
+clock = itertools.count(1000, 61)
+done = {"main": 0, "other": 0}
+def other():
+    while True:
+        for r in range(0, 2000, 3):
+            agg.counts.record("/r%d" % r, 200, False, 0.002)
+        agg.tick(now=float(next(clock)))
+        agg.to_records("recent", now=float(next(clock)))
+        done["other"] += 1
+        real_sleep(0.005)
+start_thread(other, ())
+gevent.spawn(lambda: [gevent.sleep(0.001) for _ in iter(int, 1)])
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    agg.tick(now=float(next(clock)))
+    done["main"] += 1
+    gevent.sleep(0.001)
+print(done["main"], done["other"])
+"""
+
+
+def test_ticks_from_two_threads_under_monkey_patching(tmp_path):
+    """The drain loop of a serving thread (a greenlet) and another OS
+    thread reading the recent window both go on: the table's locks are
+    OS-thread locks, never a gevent lock one thread hangs on."""
+    import subprocess
+    import sys
+    script = tmp_path / "ticking.py"
+    script.write_text(TICKING_THREADS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=40)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    main, other = map(int, proc.stdout.split())
+    assert main > 10 and other > 10, proc.stdout
+
+
 @pytest.mark.parametrize("window", ["last", 5, ""])
 def test_a_bad_window_says_what_is_wrong(window):
     agg = RouteAggregates(_registry.RouteCounts)
