@@ -444,7 +444,6 @@ static PyObject *rt_snapshot(gqp_rt *rt, PyObject *args)
         }
         PyObject *t = rt_cell_tuple(key, c);
         if (!t || PyList_Append(out, t) < 0) {
-            Py_XDECREF(t);
             Py_CLEAR(out);
         }
         Py_XDECREF(t);
