@@ -550,8 +550,12 @@ def test_worker_exit_delivers_lingering_profiles(start, tmp_path):
     finally:
         g.stop()
     assert g.proc.returncode == 0
-    once_each(["lingering-1"], [rid for rid, v in profile_reports(
-        g, final=True).items() for _ in v])
+    got = [rid for rid, v in profile_reports(g, final=True).items()
+           for _ in v]
+    # (seen once in CI, not reproduced since: what gunicorn said, then)
+    assert got, "no report; gunicorn's stderr ends with:\n" + \
+        g.stderr()[-3000:]
+    once_each(["lingering-1"], got)
 
 
 # ---------------------------------------------------------------------------
