@@ -33,6 +33,9 @@ def _after_fork_in_child():
         mw._open = 0
         mw.pid = os.getpid()  # (a system call: not made per profile)
         mw._disarm()
+        routes_ = getattr(mw, "_routes", None)   # (None: init failed)
+        if routes_ is not None:
+            routes_.after_fork()
 
 
 if hasattr(os, "register_at_fork"):

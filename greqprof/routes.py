@@ -607,6 +607,12 @@ class RouteAggregates:
         # another thread's reader)
         self._tick_lock = _RealLock()
 
+    def after_fork(self):
+        """(the forked child; middleware.py calls it) Locks anew: one
+        another thread held at the fork stays held in the child."""
+        self._lock = _RealLock()
+        self._tick_lock = _RealLock()
+
     def _name_environ(self, environ, interrupted=False):
         # (called from C; never raises: a failing route= is counted;
         # interrupted: the route= callable raised a BaseException that is

@@ -763,3 +763,45 @@ def test_fork_middleware_child_does_not_report_parent_requests(
     parent_rids = {"warm", "A", "B", "D"}
     assert [d for d in child["delivered"] if d[0] in parent_rids] == [
         ["warm", False]]   # only the copy made before the fork
+
+
+FORK_HELD_ROUTE_LOCK = """
+import json, os, threading
+from gevent import monkey; monkey.patch_all()
+from greqprof import ProfilingMiddleware
+
+def app(environ, start_response):
+    start_response("200 OK", [])
+    return [b"ok"]
+
+mw = ProfilingMiddleware(app, pct=0.0, report=False)
+real_thread = monkey.get_original("_thread", "start_new_thread")
+real_sleep = monkey.get_original("time", "sleep")
+held, release = monkey.get_original("_thread", "allocate_lock")(), \\
+    monkey.get_original("_thread", "allocate_lock")()
+held.acquire(); release.acquire()
+
+def holder():   # (another OS thread inside the table's lock at the fork)
+    with mw._routes._lock:
+        held.release()
+        release.acquire()
+real_thread(holder, ())
+held.acquire()
+pid = os.fork()
+if pid == 0:
+    import signal
+    signal.alarm(20)   # (a lock held for good would hang the child)
+    n = len(mw.routes()) + len(mw.routes(window="recent"))
+    mw._routes.add_blocking("/x", 0.2)
+    os._exit(0 if n == 0 and mw.routes()[0]["blocking"] == 1 else 3)
+_, status = os.waitpid(pid, 0)
+release.release()
+print(json.dumps({"child_status": status}))
+"""
+
+
+def test_fork_while_another_thread_holds_the_route_table_lock():
+    """The route table's locks are OS-thread locks; a fork while another
+    thread holds one gives the child fresh ones, not one held for good."""
+    out = run_script(FORK_HELD_ROUTE_LOCK)
+    assert out["child_status"] == 0, out
