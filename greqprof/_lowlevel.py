@@ -35,6 +35,9 @@ RealThreadLocal = _original("_thread", "_local")
 #: a lock of OS threads (under patching, a gevent lock waited on from
 #: another thread can hang it; for sections that never yield)
 RealLock = _original("_thread", "allocate_lock")
+#: its reentrant kind (a section a collected body's finalizer may enter
+#: again from inside itself, delivering a profile)
+RealRLock = _original("_thread", "RLock")
 
 
 class _ThreadToken:

@@ -35,7 +35,7 @@ from array import array
 
 from greenlet import getcurrent
 
-from ._lowlevel import RealLock as _RealLock
+from ._lowlevel import RealLock as _RealLock, RealRLock as _RealRLock
 from ._text import clean
 
 __all__ = ["set_route", "path_route", "framework_route", "RouteNamer",
@@ -588,7 +588,9 @@ class RouteAggregates:
         self._extra = {}   # route -> RouteStats (sampled part, blocking)
         self._changed = set()   # routes of _extra changed since take_changed
         self._waits = {}   # route -> {wait site: seconds}, sampled
-        self._lock = _RealLock()
+        # (reentrant: a body collected inside a section may deliver its
+        # profile, which adds to the table, from inside it)
+        self._lock = _RealRLock()
         #: blocking events and their seconds, all requests and none
         self.blocking = 0
         self.blocked = 0.0
@@ -610,7 +612,7 @@ class RouteAggregates:
     def after_fork(self):
         """(the forked child; middleware.py calls it) Locks anew: one
         another thread held at the fork stays held in the child."""
-        self._lock = _RealLock()
+        self._lock = _RealRLock()
         self._tick_lock = _RealLock()
 
     def _name_environ(self, environ, interrupted=False):

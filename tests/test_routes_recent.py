@@ -213,6 +213,19 @@ def test_ticks_from_two_threads_under_monkey_patching(tmp_path):
     assert main >= 3 and other >= 3, proc.stdout
 
 
+def test_the_table_can_be_entered_from_inside_itself():
+    """A body collected inside one of the table's sections (the cyclic
+    collector runs where it allocates) may deliver its profile, which adds
+    to the table, from inside it: the lock is reentrant, not a hang."""
+    agg = RouteAggregates(_registry.RouteCounts)
+    agg.counts.record("/a", 200, False, 0.01)
+    with agg._lock:
+        agg.add_sampled("/a", 0.003, 0.001)
+        agg.add_blocking("/a", 0.2)
+    rec = by_route(agg.to_records())["/a"]
+    assert rec["sampled"] == 1 and rec["blocking"] == 1
+
+
 @pytest.mark.parametrize("window", ["last", 5, ""])
 def test_a_bad_window_says_what_is_wrong(window):
     agg = RouteAggregates(_registry.RouteCounts)
