@@ -766,8 +766,7 @@ def test_fork_middleware_child_does_not_report_parent_requests(
 
 
 FORK_HELD_ROUTE_LOCK = """
-import json, os, threading
-from gevent import monkey; monkey.patch_all()
+import json, os, signal, threading
 from greqprof import ProfilingMiddleware
 
 def app(environ, start_response):
@@ -775,27 +774,24 @@ def app(environ, start_response):
     return [b"ok"]
 
 mw = ProfilingMiddleware(app, pct=0.0, report=False)
-real_thread = monkey.get_original("_thread", "start_new_thread")
-real_sleep = monkey.get_original("time", "sleep")
-held, release = monkey.get_original("_thread", "allocate_lock")(), \\
-    monkey.get_original("_thread", "allocate_lock")()
-held.acquire(); release.acquire()
+inside, leave = threading.Event(), threading.Event()
 
 def holder():   # (another OS thread inside the table's lock at the fork)
     with mw._routes._lock:
-        held.release()
-        release.acquire()
-real_thread(holder, ())
-held.acquire()
+        inside.set()
+        leave.wait(30)
+t = threading.Thread(target=holder)
+t.start()
+inside.wait(30)
 pid = os.fork()
 if pid == 0:
-    import signal
-    signal.alarm(20)   # (a lock held for good would hang the child)
+    signal.alarm(10)   # (a lock held for good would hang the child)
     n = len(mw.routes()) + len(mw.routes(window="recent"))
     mw._routes.add_blocking("/x", 0.2)
     os._exit(0 if n == 0 and mw.routes()[0]["blocking"] == 1 else 3)
 _, status = os.waitpid(pid, 0)
-release.release()
+leave.set()
+t.join()
 print(json.dumps({"child_status": status}))
 """
 
