@@ -15,15 +15,11 @@ to compare (an older tree without summary_records times to_records for
 the summary, which is what it ran).
 """
 import argparse
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from greqprof import _registry, routes  # noqa: E402
-from greqprof.routes import RECENT_STEP_S, RouteAggregates  # noqa: E402
+from greqprof import _registry, routes
+from greqprof.routes import RECENT_STEP_S, RouteAggregates
 
 
 def table(n, seed=1):
