@@ -115,19 +115,22 @@ def test_every_json_line_respects_json_max_bytes(serve, caplog, limit):
                 assert whole[key].startswith(d[key].rsplit("...[", 1)[0])
         assert d["schema"] == "greqprof.request_profile/1"
         assert set(whole) <= set(d)       # the schema's keys all there
-    cut_events = 0
+    cut_events = block_events = 0
     for line, schema in zip(lines, schemas):
         if schema == "greqprof.blocking/1":
             ev = json.loads(line)
             assert ev["wall"] > 0
-            if ev["path"].startswith("/block"):   # (its path is too long)
+            # (greqprof's own drain loop may show here too, with no path:
+            # rendering this hostile profile took 62 ms on a slow CI host)
+            if (ev["path"] or "").startswith("/block"):  # (path too long)
                 assert ev["cut"]["texts"] > 0
+                block_events += 1
             if "cut" in ev:
                 cut_events += 1
                 marked = [x for x in _strings(ev)
                           if x.endswith(MARK) or x.startswith("...[")]
                 assert len(marked) == ev["cut"]["texts"], ev
-    assert cut_events
+    assert cut_events and block_events
     # sinks get everything
     assert len(p_block.notes) == 50
     assert all(len(n) > 1000 for n in p_block.notes)
