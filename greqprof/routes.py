@@ -611,9 +611,15 @@ class RouteAggregates:
 
     def after_fork(self):
         """(the forked child; middleware.py calls it) Locks anew: one
-        another thread held at the fork stays held in the child."""
+        another thread held at the fork stays held in the child; and the
+        tick's view of the C table anew (a thread forking in the middle of
+        another's tick leaves it half written: the next tick reads every
+        row)."""
         self._lock = _RealRLock()
         self._tick_lock = _RealLock()
+        self._tick_known = {}
+        self._tick_rows = {}
+        self._tick_raws = {}
 
     def _name_environ(self, environ, interrupted=False):
         # (called from C; never raises: a failing route= is counted;
@@ -648,11 +654,13 @@ class RouteAggregates:
         sampled part or blocking changed since the last call (for
         greqprof/metrics.py: a large table's idle routes cost nothing)."""
         with self._lock:
+            # (swapped first: a body collected in the loop below may
+            # deliver a sample, which adds to the new set, not this one)
+            changed, self._changed = self._changed, set()
             out = {}
-            for route in self._changed:
+            for route in changed:
                 st = self._extra[route]
                 out[route] = (st.cpu_sum, st.cpu_n, st.blocking)
-            self._changed.clear()
         return out
 
     def add_sampled(self, route, cpu, waiting, blocking=0, blocked=0.0,
@@ -813,8 +821,10 @@ class RouteAggregates:
                 new_raws.setdefault(name, []).append(raw)
         changed = {name for name, _ in fresh.values()}
         with self._lock:
+            # (over a copy, which allocates nothing per route: a body
+            # collected in the loop may deliver a new route's first sample)
             extra = {k: tuple(getattr(st, f) for f in _Snap.EXTRA)
-                     for k, st in self._extra.items()}
+                     for k, st in self._extra.copy().items()}
         last = self._snaps[-1][1] if self._snaps else {}
         snap = {}
         for name in raws.keys() | new_raws.keys() | extra.keys():

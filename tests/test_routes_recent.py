@@ -142,6 +142,32 @@ def test_ticks_reuse_idle_routes_and_stay_exact():
     assert agg._snaps[-1][1]["/r2"] is first["/r2"]
 
 
+def test_a_fork_in_the_middle_of_a_tick_leaves_the_childs_next_right():
+    """A tick writes its view of the C table in steps; a thread that forks
+    between two leaves the child a raw route in the rows but not under its
+    name.  after_fork() starts that view anew: the child's next tick reads
+    every row, and the window stays exact."""
+    agg = RouteAggregates(_registry.RouteCounts)
+    c = agg.counts
+    c.record("/a", 200, False, 0.01)
+    agg.tick(now=100.0)
+    c.record("/b", 200, False, 0.01)
+    c.record("/b", 200, False, 0.01)
+    agg.tick(now=100.0 + RECENT_STEP_S)
+    del agg._tick_raws["/b"]        # (the step the fork cut off)
+    agg.after_fork()
+    c.record("/b", 200, False, 0.01)
+    c.record("/c", 200, False, 0.01)
+    agg.tick(now=100.0 + 2 * RECENT_STEP_S)
+    assert agg._snaps[-1][1]["/b"].requests == 3
+    assert agg._tick_raws["/b"] == ["/b"]
+    # the window from the first snapshot on, once later ones slide it
+    recent = by_route(agg.to_records("recent", now=100.0 + 2 *
+                                     RECENT_STEP_S + 1))
+    assert {k: v["requests"] for k, v in recent.items()} == \
+        {"/b": 3, "/c": 1}      # (/a idle since: not in the window)
+
+
 def test_a_tick_that_fails_leaves_the_next_one_right(monkeypatch):
     """A snapshot that raises half way (here: out of memory compressing
     a histogram; the drain loop counts it as an internal error) keeps
@@ -224,6 +250,46 @@ def test_the_table_can_be_entered_from_inside_itself():
         agg.add_blocking("/a", 0.2)
     rec = by_route(agg.to_records())["/a"]
     assert rec["sampled"] == 1 and rec["blocking"] == 1
+
+
+def test_a_sample_delivered_during_a_pass_over_the_table():
+    """The same, while a pass loops over the table: a collection there
+    (a tick builds a tuple per route) delivers the first sample of a new
+    route.  The pass goes on over what it started with, the new route
+    counts from the next one; before, 'dictionary changed size during
+    iteration' (the tick) and 'Set changed size' (take_changed)."""
+    import gc
+    agg = RouteAggregates(_registry.RouteCounts)
+    for i in range(300):
+        agg.counts.record("/r%d" % i, 200, False, 0.01)
+        agg.add_sampled("/r%d" % i, 0.001, 0.0)
+    added = []
+
+    def deliver(phase, info):
+        # (a body's finalizer delivering its profile, with the lock held
+        # by the pass: the only time this thread can enter it while held)
+        if phase == "start" and agg._lock._is_owned() and len(added) < 50:
+            route = "/late%d" % len(added)
+            added.append(route)
+            agg.add_sampled(route, 0.002, 0.0)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(deliver)
+    gc.set_threshold(1)
+    try:
+        agg.tick(now=100.0)
+        changed = agg.take_changed()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(deliver)
+    assert added, "no collection ran inside a pass: the test tests nothing"
+    # every sample is counted once: by take_changed now or at its next call
+    changed.update(agg.take_changed())
+    assert set(changed) == {"/r%d" % i for i in range(300)} | set(added)
+    agg.tick(now=100.0 + RECENT_STEP_S)
+    rec = by_route(agg.to_records())
+    assert all(rec[r]["sampled"] == 1 for r in added)
+    assert len(agg._snaps) == 2
 
 
 @pytest.mark.parametrize("window", ["last", 5, ""])
