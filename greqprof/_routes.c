@@ -46,6 +46,9 @@ typedef struct {
     PyObject_HEAD
     gqp_rt *rt;
     PyObject *environ, *start_response, *result, *it;
+    PyObject *g;          /* the greenlet it began in (set_route's key):
+                             a body the collector frees is counted in
+                             whichever greenlet runs the collection */
     int64_t t0;
     int status;
     char error, done;
@@ -235,11 +238,13 @@ static PyObject *rt_path_route(PyObject *path)
  * nothing named it).  When the route= callable raised what is not an
  * Exception (an interrupt, a greenlet's kill), the request is named by
  * its path and *interrupt holds it, to be passed on. */
-static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject **interrupt)
+static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject *owner,
+                         PyObject **interrupt)
 {
     PyObject *v;
     if (PyDict_GET_SIZE(rt->named) > 0) {
-        PyObject *g = PyObject_CallNoArgs(rt->getcurrent);
+        PyObject *g = owner ? Py_NewRef(owner)
+                            : PyObject_CallNoArgs(rt->getcurrent);
         v = g ? PyDict_GetItemWithError(rt->named, g) : NULL;
         if (v && PyUnicode_CheckExact(v)) {
             Py_INCREF(v);
@@ -590,7 +595,7 @@ static int rtw_finish(gqp_rtw *w, int close)
                PyDict_GetItemWithError(w->environ, str_rt_skip);
     err_clear();
     if (!skip && w->rt && w->environ) {
-        route = rt_name(w->rt, w->environ, &interrupt);
+        route = rt_name(w->rt, w->environ, w->g, &interrupt);
     }
     PyObject *res = w->result;
     if (route && res && (Py_IS_TYPE(res, &gqp_seqbody_type) ||
@@ -727,6 +732,7 @@ static int rtw_traverse(gqp_rtw *w, visitproc visit, void *arg)
     Py_VISIT(w->start_response);
     Py_VISIT(w->result);
     Py_VISIT(w->it);
+    Py_VISIT(w->g);
     return 0;
 }
 
@@ -737,6 +743,7 @@ static int rtw_clear(gqp_rtw *w)
     Py_CLEAR(w->start_response);
     Py_CLEAR(w->result);
     Py_CLEAR(w->it);
+    Py_CLEAR(w->g);
     return 0;
 }
 
@@ -811,19 +818,21 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         }
         err_clear();
     }
-    if (PyDict_GET_SIZE(rt->named) > 0) {
-        /* A name set_route gave this greenlet before its request began
-         * (outside any request) does not name it. */
-        PyObject *g = PyObject_CallNoArgs(rt->getcurrent);
-        if (!g || PyDict_DelItem(rt->named, g) < 0) {
-            err_clear();
-        }
-        Py_XDECREF(g);
+    PyObject *g = PyObject_CallNoArgs(rt->getcurrent);
+    if (!g) {
+        err_clear();   /* (then set_route's name is the running greenlet's) */
+    } else if (PyDict_GET_SIZE(rt->named) > 0 &&
+               PyDict_DelItem(rt->named, g) < 0) {
+        /* (a name set_route gave this greenlet before its request began,
+         * outside any request, does not name it) */
+        err_clear();
     }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
     if (!w) {
+        Py_XDECREF(g);
         return NULL;
     }
+    w->g = g;
     w->rt = (gqp_rt *)Py_NewRef(mw->routes);
     w->environ = Py_NewRef(environ);
     w->start_response = Py_NewRef(start_response);

@@ -554,7 +554,20 @@ static int queue_for_owner(gqp_mw *mw, gqp_req *req, PyObject *eng)
     return rc;
 }
 
+static int req_finish_in(gqp_mw *mw, gqp_req *req, int later);
+
 static int req_finish(gqp_mw *mw, gqp_req *req)
+{
+    return req_finish_in(mw, req, 0);
+}
+
+/* later: req's body was dropped without close() (collected): what would
+ * run Python now (observers, the profile's delivery, the blocking drain)
+ * goes to its thread's finisher, as for a request finished from another
+ * thread.  The collector runs where an allocation (3.12+: the eval loop)
+ * lets it, in the middle of any code, greqprof's own too: a pass over a
+ * table, a lock held. */
+static int req_finish_in(gqp_mw *mw, gqp_req *req, int later)
 {
     if (req->done == Py_True) {
         if (req->truncated == Py_True && !req->end_seen && mw->observers &&
@@ -582,6 +595,17 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
                         ? Py_NewRef(req->engine) : NULL;
     gqp_py_thread *st = req_state(req);
     int sampled = has_profile(req);
+    if (later && st && eng && (sampled || mw->observers)) {
+        gqp_profile *lp = sampled ? ((gqp_profref *)req->profile)->p : NULL;
+        if (sampled && !is_dead(req->greenlet) &&
+            greenlet_profile(st, req->greenlet) == lp) {
+            /* (what the greenlet runs from now on is not this request's;
+             * the finisher would detach it too, later) */
+            attach_greenlet(st, req->greenlet, NULL);
+            PyErr_Clear();
+        }
+        st = NULL;
+    }
     if (!st || !eng) {
         /* Not in the thread (or the process) it began in: a forked
          * child's copy is the parent's to report; another thread's goes
@@ -708,10 +732,11 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
  * BaseException raised meanwhile (a gevent.Timeout that fired in a sink)
  * goes on: -1 with it set, unless an exception was already on its way,
  * which then wins. */
-static int req_finish_quiet(gqp_mw *mw, gqp_req *req)
+static int req_finish_quiet_in(gqp_mw *mw, gqp_req *req, int later)
 {
     PyObject *value = PyErr_GetRaisedException();
-    if (req_finish(mw, req) < 0 && internal_error(mw, str_finish_where) < 0) {
+    if (req_finish_in(mw, req, later) < 0 &&
+        internal_error(mw, str_finish_where) < 0) {
         if (!value) {
             return -1;
         }
@@ -719,6 +744,11 @@ static int req_finish_quiet(gqp_mw *mw, gqp_req *req)
     }
     PyErr_SetRaisedException(value);
     return 0;
+}
+
+static int req_finish_quiet(gqp_mw *mw, gqp_req *req)
+{
+    return req_finish_quiet_in(mw, req, 0);
 }
 
 /* ---- StartResponse ------------------------------------------------------ */
@@ -839,7 +869,7 @@ static void body_finalize(gqp_body *self)
         return;
     }
     PyObject *exc = PyErr_GetRaisedException();
-    if (req_finish_quiet(self->mw, self->req) < 0) {
+    if (req_finish_quiet_in(self->mw, self->req, 1) < 0) {
         PyErr_Clear();   /* (nobody to pass a BaseException on to) */
     }
     PyErr_SetRaisedException(exc);

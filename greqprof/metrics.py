@@ -100,10 +100,12 @@ class Metrics:
                 self._sync_row(*row)
             for route, now in self._agg.take_changed().items():
                 self._sync_extra(route, now)
-            d = self._agg.blocked - self._blocked_seen
+            # (read once: another thread may add between two reads)
+            blocked = self._agg.blocked
+            d = blocked - self._blocked_seen
             if d > 0:
                 self.blocked.inc(d)
-                self._blocked_seen = self._agg.blocked
+                self._blocked_seen = blocked
 
     def tick(self):
         """The drain loop's sync, once a second."""

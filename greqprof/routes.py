@@ -131,7 +131,9 @@ def _forget_names():
     """Bounds _named: the names of greenlets that ended (no request takes
     them), then, if that is not enough, the oldest quarter; the names of
     requests in flight, the newest, stay."""
-    for g in [g for g in _named if getattr(g, "dead", False)]:
+    # (over a copy: a body the collector frees in the loop takes its
+    # request's name out of _named)
+    for g in [g for g in list(_named) if getattr(g, "dead", False)]:
         _named.pop(g, None)
     if len(_named) >= _MAX_NAMED:
         for g in list(_named)[:_MAX_NAMED // 4]:

@@ -147,6 +147,34 @@ def test_a_late_finish_does_not_detach_the_next_request(serve, gc_off):
     wait_for(lambda: s.mw._open == 0, what="every slot back")
 
 
+def test_a_body_collected_inside_greqprofs_own_sections(serve, gc_off):
+    """The collector runs wherever an allocation (3.12+: the eval loop)
+    lets it, greqprof's own code included: a request whose body it
+    collects is finished there, but what runs Python (the delivery of its
+    profile, observers) waits for the finisher.  Before, with linger=0,
+    the delivery ran inside the collection, here while the inspector held
+    its lock: the thread hung on it (and a pass over a table raised
+    'changed size during iteration')."""
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Length", "2")])
+        return iter([b"ok"])
+
+    keep = []
+    s = serve(app, pct=1.0, linger=0, ui_path="/_greqprof",
+              wrap=lambda mw: _buffering(mw, keep))
+    keepalive_gets(s.port, ["/one", "/two"]).close()
+    s.profile_for("/two")
+    assert keep == [1] and not [p for p in s.profiles if p.path == "/one"]
+    ui = s.mw.inspector
+    with ui._lock:
+        gc.collect()         # request 1's body: collected, finished here
+        assert not [p for p in s.profiles if p.path == "/one"]
+    one = s.profile_for("/one")           # delivered by the finisher
+    assert one.error is None
+    assert [p for _, p in ui.profiles() if p.path == "/one"] == [one]
+    wait_for(lambda: s.mw._open == 0, what="every slot back")
+
+
 def test_a_truncation_does_not_detach_the_next_request(serve, gc_off):
     """truncate the same: request 1's body is dropped (never collected
     here) and the greenlet goes on to request 2; max_lifetime closes

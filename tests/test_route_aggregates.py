@@ -678,3 +678,50 @@ def test_sampled_requests_of_a_route_named_uncleanly_count_under_its_name(
              what="three sampled requests counted")
     assert [p.route for p in profiles] == [name] * 3
     assert by_route(s.mw)[name]["requests"] == 3
+
+
+def test_a_body_collected_in_another_request_takes_its_own_name():
+    """A body dropped without close() is counted when the collector frees
+    it, in whichever greenlet runs the collection: the name set_route gave
+    its request is its own, not the running request's (before: request A
+    was counted under B's name, and B, its name taken, under its path)."""
+    import gc
+    import greenlet
+    from greqprof import set_route
+
+    def app(environ, start_response):
+        set_route(environ["PATH_INFO"] + "/named")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+
+        def body():
+            yield b"x"
+        return body()
+
+    mw = ProfilingMiddleware(app, pct=0.0, report=False, summary_s=None,
+                             blocking_ms=None, stack_hz=0)
+
+    def env(path):
+        return {"REQUEST_METHOD": "GET", "PATH_INFO": path,
+                "SCRIPT_NAME": "", "wsgi.url_scheme": "http"}
+
+    def request_a():
+        body = mw(env("/a"), lambda *a: None)
+        list(body)
+        cycle = [body]
+        cycle.append(cycle)      # dropped without close(), in a cycle
+
+    def request_b():
+        body = mw(env("/b"), lambda *a: None)
+        gc.collect()             # (any allocation in B's app code)
+        list(body)
+        body.close()
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        greenlet.greenlet(request_a).switch()
+        greenlet.greenlet(request_b).switch()
+    finally:
+        if was:
+            gc.enable()
+    assert counts(mw) == {"/a/named": 1, "/b/named": 1}
