@@ -131,7 +131,7 @@ ASAN_PY := build/asan-py
 ASAN_TESTS := test_fastpath.py test_sampled_c.py test_middleware.py test_faults.py test_threads_fork.py \
   test_borrowed_hooks.py test_borrowed_refs.py test_lifecycle.py test_lifecycle_review.py \
   test_review_prof.py test_own_work.py test_reading.py \
-  test_route_aggregates.py test_routes.py
+  test_route_aggregates.py test_routes.py test_dropped_bodies.py
 ASAN_RUN = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:replace_intrin=0:detect_stack_use_after_return=0:abort_on_error=1 \
   $(CURDIR)/$(VPY)

@@ -46,9 +46,9 @@ typedef struct {
     PyObject_HEAD
     gqp_rt *rt;
     PyObject *environ, *start_response, *result, *it;
-    PyObject *g;          /* the greenlet it began in (set_route's key):
-                             a body the collector frees is counted in
-                             whichever greenlet runs the collection */
+    void *g;              /* the greenlet it began in, compared, never
+                             read (no reference: a suspended greenlet
+                             held by its own body would never be freed) */
     int64_t t0;
     int status;
     char error, done;
@@ -57,6 +57,9 @@ typedef struct {
                              500, whatever status it started */
     char slow;            /* served by Python (_call_slow), which may say
                              "not counted" (greqprof.no_route) */
+    char late;            /* finished by its finalizer, maybe in another
+                             greenlet than its own, which may have gone
+                             on to its next request */
 } gqp_rtw;
 
 static PyObject *str_rt_route_key, *str_rt_script, *str_rt_wzreq,
@@ -238,13 +241,34 @@ static PyObject *rt_path_route(PyObject *path)
  * nothing named it).  When the route= callable raised what is not an
  * Exception (an interrupt, a greenlet's kill), the request is named by
  * its path and *interrupt holds it, to be passed on. */
-static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject *owner,
-                         PyObject **interrupt)
+/* The greenlet whose set_route name is the request's (a new reference, or
+ * NULL): the running one, unless the request began in another (owner).
+ * That one's name, found among the named (which hold their greenlets),
+ * is the request's unless late and it is alive: it may serve its next
+ * request by now, whose name it would be. */
+static PyObject *rt_named_key(gqp_rt *rt, void *owner, int late)
+{
+    PyObject *cur = PyObject_CallNoArgs(rt->getcurrent);
+    if (!cur || !owner || (void *)cur == owner) {
+        return cur;
+    }
+    Py_DECREF(cur);
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(rt->named, &pos, &k, &v)) {
+        if ((void *)k == owner) {
+            return !late || is_dead(k) ? Py_NewRef(k) : NULL;
+        }
+    }
+    return NULL;
+}
+
+static PyObject *rt_name(gqp_rt *rt, PyObject *environ, void *owner,
+                         int late, PyObject **interrupt)
 {
     PyObject *v;
     if (PyDict_GET_SIZE(rt->named) > 0) {
-        PyObject *g = owner ? Py_NewRef(owner)
-                            : PyObject_CallNoArgs(rt->getcurrent);
+        PyObject *g = rt_named_key(rt, owner, late);
         v = g ? PyDict_GetItemWithError(rt->named, g) : NULL;
         if (v && PyUnicode_CheckExact(v)) {
             Py_INCREF(v);
@@ -595,7 +619,7 @@ static int rtw_finish(gqp_rtw *w, int close)
                PyDict_GetItemWithError(w->environ, str_rt_skip);
     err_clear();
     if (!skip && w->rt && w->environ) {
-        route = rt_name(w->rt, w->environ, w->g, &interrupt);
+        route = rt_name(w->rt, w->environ, w->g, w->late, &interrupt);
     }
     PyObject *res = w->result;
     if (route && res && (Py_IS_TYPE(res, &gqp_seqbody_type) ||
@@ -719,6 +743,7 @@ static void rtw_finalize(gqp_rtw *w)
     /* Dropped without close(): counted now (the app's body closes
      * itself, if it does, when it is freed). */
     PyObject *exc = PyErr_GetRaisedException();
+    w->late = 1;
     if (rtw_finish(w, 0) < 0) {
         err_clear();
     }
@@ -732,7 +757,6 @@ static int rtw_traverse(gqp_rtw *w, visitproc visit, void *arg)
     Py_VISIT(w->start_response);
     Py_VISIT(w->result);
     Py_VISIT(w->it);
-    Py_VISIT(w->g);
     return 0;
 }
 
@@ -743,7 +767,6 @@ static int rtw_clear(gqp_rtw *w)
     Py_CLEAR(w->start_response);
     Py_CLEAR(w->result);
     Py_CLEAR(w->it);
-    Py_CLEAR(w->g);
     return 0;
 }
 
@@ -828,8 +851,8 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         err_clear();
     }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
+    Py_XDECREF(g);   /* (its identity is all w keeps) */
     if (!w) {
-        Py_XDECREF(g);
         return NULL;
     }
     w->g = g;
@@ -839,6 +862,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     w->result = w->it = NULL;
     w->status = 0;
     w->error = w->done = w->slow = w->sent = w->unsent_error = 0;
+    w->late = 0;
     w->t0 = rt_now();
     PyObject_GC_Track(w);
     PyObject *result = mw_serve(mw, environ, (PyObject *)w);

@@ -561,7 +561,8 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
     return req_finish_in(mw, req, 0);
 }
 
-/* later: req's body was dropped without close() (collected): what would
+/* later: req's body, dropped without close(), was freed by the cyclic
+ * collector: what would
  * run Python now (observers, the profile's delivery, the blocking drain)
  * goes to its thread's finisher, as for a request finished from another
  * thread.  The collector runs where an allocation (3.12+: the eval loop)
@@ -604,7 +605,12 @@ static int req_finish_in(gqp_mw *mw, gqp_req *req, int later)
             attach_greenlet(st, req->greenlet, NULL);
             PyErr_Clear();
         }
-        st = NULL;
+        if (queue_for_owner(mw, req, eng) == 0) {
+            Py_DECREF(eng);
+            return 0;
+        }
+        /* (no finisher to take it, its engine abandoned: finished here
+         * after all, its slot released) */
     }
     if (!st || !eng) {
         /* Not in the thread (or the process) it began in: a forked
@@ -840,6 +846,8 @@ typedef struct {
     PyObject *it;       /* its iterator (ClosingIterator only) */
     gqp_mw *mw;
     gqp_req *req;
+    char freed;         /* finalized by its dealloc (its last reference
+                           dropped), not by the cyclic collector */
 } gqp_body;
 
 static int body_traverse(gqp_body *self, visitproc visit, void *arg)
@@ -869,7 +877,10 @@ static void body_finalize(gqp_body *self)
         return;
     }
     PyObject *exc = PyErr_GetRaisedException();
-    if (req_finish_quiet_in(self->mw, self->req, 1) < 0) {
+    /* Its last reference dropped (by the server, a buffering middleware)
+     * it finishes here, as a close() would; the cyclic collector, which
+     * runs in the middle of any code, leaves the Python part for later. */
+    if (req_finish_quiet_in(self->mw, self->req, !self->freed) < 0) {
         PyErr_Clear();   /* (nobody to pass a BaseException on to) */
     }
     PyErr_SetRaisedException(exc);
@@ -877,6 +888,7 @@ static void body_finalize(gqp_body *self)
 
 static void body_dealloc(gqp_body *self)
 {
+    self->freed = 1;
     if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) {
         return;   /* resurrected by the finalizer */
     }
@@ -1024,6 +1036,7 @@ static gqp_body *body_new(PyTypeObject *type, PyObject *result, gqp_mw *mw,
     b->it = NULL;
     b->mw = (gqp_mw *)Py_NewRef((PyObject *)mw);
     b->req = (gqp_req *)Py_NewRef((PyObject *)req);
+    b->freed = 0;
     PyObject_GC_Track(b);
     return b;
 }
