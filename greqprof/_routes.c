@@ -57,9 +57,6 @@ typedef struct {
                              500, whatever status it started */
     char slow;            /* served by Python (_call_slow), which may say
                              "not counted" (greqprof.no_route) */
-    char late;            /* finished by its finalizer, maybe in another
-                             greenlet than its own, which may have gone
-                             on to its next request */
 } gqp_rtw;
 
 static PyObject *str_rt_route_key, *str_rt_script, *str_rt_wzreq,
@@ -237,10 +234,6 @@ static PyObject *rt_path_route(PyObject *path)
     return PyUnicode_FromStringAndSize(out, len);
 }
 
-/* The request's route (a new reference; NULL only with no error set when
- * nothing named it).  When the route= callable raised what is not an
- * Exception (an interrupt, a greenlet's kill), the request is named by
- * its path and *interrupt holds it, to be passed on. */
 /* The greenlet whose set_route name is the request's (a new reference, or
  * NULL): the running one, unless the request began in another (owner).
  * That one's name, found among the named (which hold their greenlets),
@@ -263,6 +256,10 @@ static PyObject *rt_named_key(gqp_rt *rt, void *owner, int late)
     return NULL;
 }
 
+/* The request's route (a new reference; NULL only with no error set when
+ * nothing named it).  When the route= callable raised what is not an
+ * Exception (an interrupt, a greenlet's kill), the request is named by
+ * its path and *interrupt holds it, to be passed on. */
 static PyObject *rt_name(gqp_rt *rt, PyObject *environ, void *owner,
                          int late, PyObject **interrupt)
 {
@@ -606,8 +603,8 @@ static PyTypeObject gqp_rt_type = {
 /* ---- the request's wrapper ------------------------------------------------ */
 
 /* Names and counts the request (once), the app's error kept as it is.
- * close: also close the app's body first. */
-static int rtw_finish(gqp_rtw *w, int close)
+ * close: also close the app's body first; late: from its finalizer. */
+static int rtw_finish(gqp_rtw *w, int close, int late)
 {
     if (w->done) {
         return 0;
@@ -619,7 +616,7 @@ static int rtw_finish(gqp_rtw *w, int close)
                PyDict_GetItemWithError(w->environ, str_rt_skip);
     err_clear();
     if (!skip && w->rt && w->environ) {
-        route = rt_name(w->rt, w->environ, w->g, w->late, &interrupt);
+        route = rt_name(w->rt, w->environ, w->g, late, &interrupt);
     }
     PyObject *res = w->result;
     if (route && res && (Py_IS_TYPE(res, &gqp_seqbody_type) ||
@@ -700,7 +697,7 @@ static PyObject *rtw_start_response(gqp_rtw *w, PyObject *args, PyObject *kw)
 static PyObject *rtw_close(gqp_rtw *w, PyObject *unused)
 {
     (void)unused;
-    if (rtw_finish(w, 1) < 0) {
+    if (rtw_finish(w, 1, 0) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -743,8 +740,7 @@ static void rtw_finalize(gqp_rtw *w)
     /* Dropped without close(): counted now (the app's body closes
      * itself, if it does, when it is freed). */
     PyObject *exc = PyErr_GetRaisedException();
-    w->late = 1;
-    if (rtw_finish(w, 0) < 0) {
+    if (rtw_finish(w, 0, 1) < 0) {
         err_clear();
     }
     PyErr_SetRaisedException(exc);
@@ -862,13 +858,12 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
     w->result = w->it = NULL;
     w->status = 0;
     w->error = w->done = w->slow = w->sent = w->unsent_error = 0;
-    w->late = 0;
     w->t0 = rt_now();
     PyObject_GC_Track(w);
     PyObject *result = mw_serve(mw, environ, (PyObject *)w);
     if (!result) {
         w->error = w->unsent_error = 1;
-        rtw_finish(w, 0);
+        rtw_finish(w, 0, 0);
         Py_DECREF(w);
         return NULL;
     }
@@ -882,7 +877,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
          * server's wsgi.file_wrapper goes back as it is (gunicorn sends
          * it with sendfile): counted now, without the sending.  (Fails
          * only with the route= callable's interrupt, passed on.) */
-        int rc = rtw_finish(w, 0);
+        int rc = rtw_finish(w, 0, 0);
         Py_DECREF(w);
         if (rc < 0) {
             Py_DECREF(result);
@@ -896,7 +891,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         Py_SET_TYPE(w, &gqp_rtw_seq_type);   /* (same layout, static types) */
     } else if (!(w->it = PyObject_GetIter(result))) {
         w->error = w->unsent_error = 1;
-        rtw_finish(w, 1);   /* (the app's close() still runs) */
+        rtw_finish(w, 1, 0);   /* (the app's close() still runs) */
         Py_DECREF(w);
         return NULL;
     }

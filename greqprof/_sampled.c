@@ -521,6 +521,18 @@ static gqp_profile *greenlet_profile(gqp_py_thread *st, PyObject *g)
     return p;
 }
 
+/* req's greenlet (of st's thread) is still in req's profile: a late
+ * finish (the body collected, or closed elsewhere, while the greenlet
+ * already serves its next request) must leave it where it is now.  (A
+ * dead greenlet's spans are over: attaching it would make the tracer a
+ * new entry for it.) */
+static int req_owns_greenlet(gqp_py_thread *st, gqp_req *req)
+{
+    return has_profile(req) && !is_dead(req->greenlet) &&
+           greenlet_profile(st, req->greenlet) ==
+               ((gqp_profref *)req->profile)->p;
+}
+
 /* The response of req is done (closed, collected, or the app raised):
  * its greenlet leaves the profile, observers hear of it, and the profile
  * is finalized now (linger 0) or queued for the engine's finisher.  Every
@@ -562,10 +574,9 @@ static int req_finish(gqp_mw *mw, gqp_req *req)
 }
 
 /* later: req's body, dropped without close(), was freed by the cyclic
- * collector: what would
- * run Python now (observers, the profile's delivery, the blocking drain)
- * goes to its thread's finisher, as for a request finished from another
- * thread.  The collector runs where an allocation (3.12+: the eval loop)
+ * collector: what would run Python now (observers, the profile's
+ * delivery, the blocking drain) goes to its thread's finisher, as for a
+ * request finished from another thread.  The collector runs where an allocation (3.12+: the eval loop)
  * lets it, in the middle of any code, greqprof's own too: a pass over a
  * table, a lock held. */
 static int req_finish_in(gqp_mw *mw, gqp_req *req, int later)
@@ -597,9 +608,7 @@ static int req_finish_in(gqp_mw *mw, gqp_req *req, int later)
     gqp_py_thread *st = req_state(req);
     int sampled = has_profile(req);
     if (later && st && eng && (sampled || mw->observers)) {
-        gqp_profile *lp = sampled ? ((gqp_profref *)req->profile)->p : NULL;
-        if (sampled && !is_dead(req->greenlet) &&
-            greenlet_profile(st, req->greenlet) == lp) {
+        if (req_owns_greenlet(st, req)) {
             /* (what the greenlet runs from now on is not this request's;
              * the finisher would detach it too, later) */
             attach_greenlet(st, req->greenlet, NULL);
@@ -628,16 +637,10 @@ static int req_finish_in(gqp_mw *mw, gqp_req *req, int later)
         return 0;
     }
     gqp_profile *p = sampled ? ((gqp_profref *)req->profile)->p : NULL;
-    /* own: the greenlet is still in this request's profile.  A late
-     * finish (the body collected, or closed elsewhere, while the greenlet
-     * already serves its next request) must leave it where it is now. */
-    int own = sampled && !is_dead(req->greenlet) &&
-              greenlet_profile(st, req->greenlet) == p;
+    int own = req_owns_greenlet(st, req);
     if (own) {
         /* Later spans of this greenlet (the next keep-alive request) are
-         * not this request's; greenlets it spawned still are.  (A dead
-         * greenlet's spans are over: attaching it would make the tracer a
-         * new entry for it.) */
+         * not this request's; greenlets it spawned still are. */
         attach_greenlet(st, req->greenlet, NULL);
     }
     PyObject *stop = NULL;   /* a BaseException to pass on */
@@ -2103,10 +2106,7 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         gqp_mw *mw = (gqp_mw *)PyTuple_GET_ITEM(item, 0);
         gqp_req *req = (gqp_req *)PyTuple_GET_ITEM(item, 1);
         gqp_py_thread *rst = req_state(req);
-        if (rst && req->done == Py_True && has_profile(req) &&
-            !is_dead(req->greenlet) &&
-            greenlet_profile(rst, req->greenlet) ==
-                ((gqp_profref *)req->profile)->p) {
+        if (rst && req->done == Py_True && req_owns_greenlet(rst, req)) {
             /* Finished from another thread, which could not use this
              * thread's tracer: its greenlet leaves the profile now. */
             attach_greenlet(rst, req->greenlet, NULL);
