@@ -160,13 +160,16 @@ wheel: sdist
 	.ci/pkg wheel
 
 # The installed wheel of every supported Python found (.ci/pythons) in a
-# clean venv; greqprof must be imported from site-packages.
+# clean venv; greqprof must be imported from site-packages.  PKG_JOBS runs
+# (default 2) share the machine, the full ones started first.
+PKG_JOBS ?= 2
 test-wheels: wheel
 	.ci/pkg reset
-	@set -e; for v in $$(.ci/pythons | cut -d' ' -f1); do \
-	  case " $(FULL_PYTHONS) " in *" $$v "*) m=full;; *) m=subset;; esac; \
-	  .ci/pkg test-wheel $$v $$m || fail=1; \
-	done; .ci/pkg summary; exit $${fail:-0}
+	@set -e; full=; subset=; for v in $$(.ci/pythons | cut -d' ' -f1); do \
+	  case " $(FULL_PYTHONS) " in *" $$v "*) full="$$full test-wheel:$$v:full";; \
+	    *) subset="$$subset test-wheel:$$v:subset";; esac; \
+	done; PKG_JOBS=$(PKG_JOBS) .ci/pkg runs $$full $$subset || fail=1; \
+	  .ci/pkg summary; exit $${fail:-0}
 
 sdist-test: sdist
 	.ci/pkg test-sdist
@@ -179,8 +182,8 @@ debian12: sdist
 
 # What .ci/run adds to make test: the sdist, the floors, Debian 12's stack.
 ci-packaging: sdist
-	@.ci/pkg test-sdist || fail=1; .ci/pkg floors || fail=1; \
-	  .ci/pkg debian12 || fail=1; .ci/pkg summary; exit $${fail:-0}
+	@PKG_JOBS=$(PKG_JOBS) .ci/pkg runs floors test-sdist debian12 || fail=1; \
+	  .ci/pkg summary; exit $${fail:-0}
 
 test: system-deps ctest ctest-asan valgrind tsan fuzz pytest-asan test-wheels
 
