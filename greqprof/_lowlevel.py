@@ -16,6 +16,12 @@ if lib.gqp_py_init() != 0:
     raise ImportError("greqprof._core could not initialise its CPython "
                       "hooks (is greenlet importable?)")
 
+# A body freed while the collector runs finishes its request later, not in
+# the middle of whatever code the collection interrupted (_sampled.c).
+import gc as _gc   # noqa: E402
+if _registry.gc_phase not in _gc.callbacks:
+    _gc.callbacks.append(_registry.gc_phase)
+
 
 def _original(module, name):
     """The unpatched function even under gevent.monkey (greqprof works with

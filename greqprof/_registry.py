@@ -68,3 +68,6 @@ open_profiles = None
 #: profiles set to none with the GIL held, so from any thread (see
 #: _sampled.c; profiler._Session.end)
 unset_profiles = None
+#: gc_phase(phase, info): in gc.callbacks from import on; tells the C
+#: lifecycle that the cyclic collector runs (see _sampled.c)
+gc_phase = None

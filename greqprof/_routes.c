@@ -46,9 +46,11 @@ typedef struct {
     PyObject_HEAD
     gqp_rt *rt;
     PyObject *environ, *start_response, *result, *it;
-    void *g;              /* the greenlet it began in, compared, never
-                             read (no reference: a suspended greenlet
-                             held by its own body would never be freed) */
+    PyObject *gref;       /* a weak reference to the greenlet it began in
+                             (a strong one: a suspended greenlet held by
+                             its own body would never be freed; its
+                             address alone: a later greenlet may have it),
+                             or NULL */
     int64_t t0;
     int status;
     char error, done;
@@ -235,37 +237,40 @@ static PyObject *rt_path_route(PyObject *path)
 }
 
 /* The greenlet whose set_route name is the request's (a new reference, or
- * NULL): the running one, unless the request began in another (owner).
- * That one's name, found among the named (which hold their greenlets),
- * is the request's unless late and it is alive: it may serve its next
- * request by now, whose name it would be. */
-static PyObject *rt_named_key(gqp_rt *rt, void *owner, int late)
+ * NULL): the running one, unless the request began in another (gref, a
+ * weak reference to it).  That one's name is the request's unless late
+ * and it is alive: it may serve its next request by now, whose name it
+ * would be.  Gone, it never named one (the named hold their greenlets). */
+static PyObject *rt_named_key(gqp_rt *rt, PyObject *gref, int late)
 {
+    PyObject *owner = NULL;
+    if (gref && PyWeakref_GetRef(gref, &owner) <= 0) {
+        err_clear();
+        return NULL;
+    }
     PyObject *cur = PyObject_CallNoArgs(rt->getcurrent);
-    if (!cur || !owner || (void *)cur == owner) {
+    if (!cur || !owner || cur == owner) {
+        Py_XDECREF(owner);
         return cur;
     }
     Py_DECREF(cur);
-    Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(rt->named, &pos, &k, &v)) {
-        if ((void *)k == owner) {
-            return !late || is_dead(k) ? Py_NewRef(k) : NULL;
-        }
+    if (late && !is_dead(owner)) {
+        Py_DECREF(owner);
+        return NULL;
     }
-    return NULL;
+    return owner;
 }
 
 /* The request's route (a new reference; NULL only with no error set when
  * nothing named it).  When the route= callable raised what is not an
  * Exception (an interrupt, a greenlet's kill), the request is named by
  * its path and *interrupt holds it, to be passed on. */
-static PyObject *rt_name(gqp_rt *rt, PyObject *environ, void *owner,
+static PyObject *rt_name(gqp_rt *rt, PyObject *environ, PyObject *gref,
                          int late, PyObject **interrupt)
 {
     PyObject *v;
     if (PyDict_GET_SIZE(rt->named) > 0) {
-        PyObject *g = rt_named_key(rt, owner, late);
+        PyObject *g = rt_named_key(rt, gref, late);
         v = g ? PyDict_GetItemWithError(rt->named, g) : NULL;
         if (v && PyUnicode_CheckExact(v)) {
             Py_INCREF(v);
@@ -616,7 +621,7 @@ static int rtw_finish(gqp_rtw *w, int close, int late)
                PyDict_GetItemWithError(w->environ, str_rt_skip);
     err_clear();
     if (!skip && w->rt && w->environ) {
-        route = rt_name(w->rt, w->environ, w->g, late, &interrupt);
+        route = rt_name(w->rt, w->environ, w->gref, late, &interrupt);
     }
     PyObject *res = w->result;
     if (route && res && (Py_IS_TYPE(res, &gqp_seqbody_type) ||
@@ -753,6 +758,9 @@ static int rtw_traverse(gqp_rtw *w, visitproc visit, void *arg)
     Py_VISIT(w->start_response);
     Py_VISIT(w->result);
     Py_VISIT(w->it);
+    /* (not gref: a weak reference the collector finds unreachable is
+     * cleared before finalizers run, and rtw_finalize reads it; it holds
+     * nothing, so it closes no cycle) */
     return 0;
 }
 
@@ -763,6 +771,7 @@ static int rtw_clear(gqp_rtw *w)
     Py_CLEAR(w->start_response);
     Py_CLEAR(w->result);
     Py_CLEAR(w->it);
+    Py_CLEAR(w->gref);
     return 0;
 }
 
@@ -847,11 +856,17 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         err_clear();
     }
     gqp_rtw *w = PyObject_GC_New(gqp_rtw, &gqp_rtw_iter_type);
-    Py_XDECREF(g);   /* (its identity is all w keeps) */
     if (!w) {
+        Py_XDECREF(g);
         return NULL;
     }
-    w->g = g;
+    /* (a greenlet keeps its one weak reference without a callback: a
+     * keep-alive connection's requests share it) */
+    w->gref = g ? PyWeakref_NewRef(g, NULL) : NULL;
+    if (g && !w->gref) {
+        err_clear();   /* (then set_route's name is the running greenlet's) */
+    }
+    Py_XDECREF(g);
     w->rt = (gqp_rt *)Py_NewRef(mw->routes);
     w->environ = Py_NewRef(environ);
     w->start_response = Py_NewRef(start_response);

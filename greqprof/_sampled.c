@@ -871,6 +871,27 @@ static int body_clear(gqp_body *self)
     return 0;
 }
 
+/* Set while the cyclic collector runs (gc_phase, in gc.callbacks): a body
+ * freed by its last reference then may be freed by the collector's
+ * clearing of a cycle that held it, in the middle of any code too. */
+static int gc_running;
+
+/* _registry.gc_phase(phase, info): gc.callbacks' callback (collections
+ * are rare: a request's garbage goes by reference counts). */
+static PyObject *gc_phase_py(PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs >= 1 && PyUnicode_Check(args[0])) {
+        gc_running = PyUnicode_CompareWithASCIIString(args[0], "start") == 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef gc_phase_def = {
+    "gc_phase", (PyCFunction)(void (*)(void))gc_phase_py, METH_FASTCALL,
+    "gc_phase(phase, info) (internal: gc.callbacks)."};
+
 /* The body is collected: a server (or a buffering middleware) that drops
  * it without close() still ends the request, so its open-profile slot
  * comes back. */
@@ -882,8 +903,10 @@ static void body_finalize(gqp_body *self)
     PyObject *exc = PyErr_GetRaisedException();
     /* Its last reference dropped (by the server, a buffering middleware)
      * it finishes here, as a close() would; the cyclic collector, which
-     * runs in the middle of any code, leaves the Python part for later. */
-    if (req_finish_quiet_in(self->mw, self->req, !self->freed) < 0) {
+     * runs in the middle of any code, leaves the Python part for later,
+     * also when what it freed held the body's last reference. */
+    if (req_finish_quiet_in(self->mw, self->req,
+                            !self->freed || gc_running) < 0) {
         PyErr_Clear();   /* (nobody to pass a BaseException on to) */
     }
     PyErr_SetRaisedException(exc);
@@ -2420,7 +2443,8 @@ static int gqp_py_sampled_init(PyObject *reg)
     PyMethodDef *defs[] = {&profile_window_def, &cpu_windows_def,
                            &new_profile_def, &set_spawn_profile_def,
                            &finish_pending_def, &greenlet_profile_def,
-                           &open_profiles_def, &unset_profiles_def};
+                           &open_profiles_def, &unset_profiles_def,
+                           &gc_phase_def};
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         PyObject *fn = PyCFunction_New(defs[i], NULL);
         int rc = fn ? PyObject_SetAttrString(reg, defs[i]->ml_name, fn) : -1;

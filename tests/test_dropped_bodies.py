@@ -151,3 +151,87 @@ def test_a_collection_elsewhere_leaves_the_next_requests_name_alone():
     counts = {r["route"]: r["requests"] for r in mw.routes()}
     # (/a's own name was dropped when /b began on the same greenlet)
     assert counts == {"/a": 1, "/b/named": 1}
+
+
+def test_a_body_freed_by_a_young_cycle_waits_for_the_finisher():
+    """A body older than the cycle that held it: a young collection clears
+    the cycle and the body goes by its last reference, but inside the
+    collection, so it waits for the finisher as a collected one does: with
+    the inspector's lock held where the collection ran, nothing hangs, and
+    the profile is delivered outside the collection."""
+    in_gc = []
+    got = []
+
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return iter([b"x"])
+
+    mw = ProfilingMiddleware(app, pct=1.0, linger=0, ui_path="/_greqprof",
+                             sink=lambda p: got.append((p.path, bool(in_gc))),
+                             **QUIET)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        body = mw(env("/young"), lambda *a: None)
+        list(body)
+        gc.collect()                 # the body: now in the oldest generation
+        cycle = [body]
+        cycle.append(cycle)          # dropped without close(), in a young cycle
+        del body, cycle
+        with mw.inspector._lock:     # (not reentrant: a delivery here hangs)
+            in_gc.append(1)
+            gc.collect(0)
+            in_gc.clear()
+        assert got == []
+        gevent.sleep(0.05)           # the finisher
+    finally:
+        if was:
+            gc.enable()
+    assert got == [("/young", False)]
+    assert mw.stats["delivered"] == 1
+
+
+def test_a_later_greenlet_at_the_same_address_keeps_its_name():
+    """/a's greenlet ends without calling set_route and is freed; the next
+    greenlet may get its address. It calls set_route for /b and runs a
+    collection that frees /a's dropped body: /a is named by its path, not
+    by /b's name (the wrapper's reference to its greenlet is weak, not an
+    address)."""
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/b":
+            set_route("/b/named")
+        return gen_app(environ, start_response)
+
+    mw = ProfilingMiddleware(app, pct=0.0, **QUIET)
+    addr = {}
+
+    def request_a():
+        addr["a"] = id(greenlet.getcurrent())
+        body = mw(env("/a"), lambda *a: None)
+        list(body)
+        cycle = [body]
+        cycle.append(cycle)          # dropped without close(), in a cycle
+
+    def request_b():
+        addr["b"] = id(greenlet.getcurrent())
+        body = mw(env("/b"), lambda *a: None)
+        gc.collect()                 # frees /a's body here
+        list(body)
+        body.close()
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(20):          # (until the address comes back)
+            addr.clear()
+            mw = ProfilingMiddleware(app, pct=0.0, **QUIET)
+            greenlet.greenlet(request_a).switch()
+            greenlet.greenlet(request_b).switch()
+            if addr["a"] == addr["b"]:
+                break
+    finally:
+        if was:
+            gc.enable()
+    assert addr["a"] == addr["b"], "no address reused: the case is not made"
+    counts = {r["route"]: r["requests"] for r in mw.routes()}
+    assert counts == {"/a": 1, "/b/named": 1}
