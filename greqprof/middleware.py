@@ -67,8 +67,10 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         and summed up in one line (0: log every one).
     :param max_spans: spans kept per request profile (more are counted).
     :param stacks: capture stacks of blocking spans.
-    :param seed: seed of the sampling RNG (reproducible sampling), or
-    :param rng: a callable returning floats in [0, 1).
+    :param seed: seed of the sampling RNG, for reproducible sampling
+        (None: random).
+    :param rng: a callable returning floats in [0, 1), drawn instead of
+        the RNG (None: the RNG).
     :param trigger_header: header name whose value, when equal to
         ``trigger_secret`` (compared in constant time), profiles that one
         request regardless of ``pct``.  Off unless both are given.
@@ -117,6 +119,15 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         ``ui_keep`` profiles.  The Host header must always name loopback
         or one of ``ui_hosts`` (host names or IP addresses), against DNS
         rebinding (docs/viewing.md).
+    :param otel: export each sampled profile to OpenTelemetry (needs
+        ``greqprof[otel]``; docs/production.md).
+    :param otel_spans: with ``otel``, a child span per greenlet span.
+    :param observers: objects with any of ``on_begin(req)``,
+        ``on_response_end(req, snapshot, blocking)`` and
+        ``on_profile(req, profile)``; with any, every request is followed
+        in Python (docs/production.md).
+    :param environ: the mapping the ``GREQPROF_*`` variables are read
+        from instead of ``os.environ`` (docs/production.md).
     """
 
     def __init__(self, app, pct=UNSET, *, calls=UNSET, clock=UNSET,
