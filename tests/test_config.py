@@ -601,7 +601,11 @@ def test_json_lines_parse_and_match_the_documented_schema(
     assert s.get("/block", headers=[("X-Request-ID", "rid-block")]).status \
         == 200
     s.wait_profiles(2)
-    wait_for(lambda: messages(caplog, logging.WARNING), what="WARNING")
+    # other greenlets (the client's, greqprof's drain loop) may hold a busy
+    # machine's loop past 50 ms too: wait for, and judge, the /block ones
+    wait_for(lambda: any("rid-block" in m
+                         for m in messages(caplog, logging.WARNING)),
+             what="rid-block WARNING")
     gevent.sleep(0.1)
     docs = documented_keys()
     profiles, events = {}, []
@@ -619,12 +623,16 @@ def test_json_lines_parse_and_match_the_documented_schema(
             assert d["schema"] == "greqprof.blocking/1"
             events.append(d)
     assert set(profiles) == {"rid-plain", "rid-block"}
-    assert len(events) == 1 and events[0]["request_id"] == "rid-block"
+    mine = [e for e in events if e["request_id"] == "rid-block"]
+    assert mine and all(e["path"] == "/block" for e in mine)
+    # the 80 ms hold itself is among them
+    assert any(e["wall"] >= 0.075 for e in mine), mine
     host = socket.gethostname()
     for d in list(profiles.values()) + events:
         assert d["pid"] == os.getpid() and d["hostname"] == host
     # every key documented, nothing documented that is not there
-    assert set(events[0]) == section(docs, "greqprof.blocking/1")
+    for e in events:
+        assert set(e) == section(docs, "greqprof.blocking/1")
     for d in profiles.values():
         assert set(d) == section(docs, "greqprof.request_profile/1")
         assert set(d["waiting"]) == section(docs, "`waiting`")
@@ -641,7 +649,7 @@ def test_json_lines_parse_and_match_the_documented_schema(
         for b in d["blocking"]:
             assert set(b) == section(docs, "greqprof.blocking/1")
     block = profiles["rid-block"]
-    assert len(block["blocking"]) == 1 and block["blocking"][0] == events[0]
+    assert block["blocking"] == mine
     assert len(block["greenlets"]) == 2
     assert any(f["children"] for f in block["calls"])
     assert any(d["waiting"]["top"] for d in profiles.values())

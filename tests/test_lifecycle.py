@@ -275,19 +275,34 @@ def test_wrapped_twice_is_profiled_once(serve, caplog, pct):
     settle(0.3)
     assert inner_profiles == []
     assert len(s.profiles) == (3 if pct else 0)
+    # On a busy machine other spans (the client's, the server's, greqprof's
+    # drain loop) may hold the loop past 50 ms too: judge the 80 ms holds.
     for p in s.profiles:
         assert p.spans and p.wall >= 0.08 - 0.01
-        assert len(p.blocking) == 1
+        assert len([b for b in p.blocking if b.wall >= 0.075]) == 1, \
+            p.blocking
+    import re
+    held = re.compile(r"held the event loop for ([0-9.]+) ms")
+
     def warnings():
         return [r.getMessage() for r in caplog.records
                 if r.levelno == logging.WARNING]
+
+    def holds(msgs):
+        return [m for m in msgs if "/twice" in m and held.search(m)
+                and float(held.search(m).group(1)) >= 75.0]
     # (unsampled requests' blocking spans are reported once a second)
-    wait_for(lambda: len([m for m in warnings() if "/twice" in m]) >= 3,
+    wait_for(lambda: len(holds(warnings())) >= 3,
              what="3 blocking warnings")
     settle(1.2)
     warnings = warnings()
     blocking = [m for m in warnings if "/twice" in m]
-    assert len(blocking) == 3, warnings
+    # logged once: no line twice, one WARNING per request's hold
+    assert len(set(blocking)) == len(blocking), warnings
+    for i in range(3):
+        mine = [m for m in holds(blocking) if "GET /twice%d," % i in m]
+        assert len(mine) == 1, warnings
+    assert len(holds(blocking)) == 3, warnings
     defer = [m for m in warnings if "wrapped in another" in m]
     assert len(defer) == 1, warnings
 
@@ -620,10 +635,23 @@ def test_blocking_child_greenlet_keeps_its_function_name(serve, caplog, pct):
                 if d.get("schema") == "greqprof.blocking/1":
                     out.append(d)
         return out
-    evs = wait_for(events, what="the blocking warning")
-    assert len(evs) == 1, evs
-    assert evs[0]["fn_name"] == "test_lifecycle._blocker_child", evs[0]
-    assert evs[0]["path"] == "/spawns"
+    # On a busy machine other greenlets (the client's, greqprof's drain
+    # loop, even the request's own) may hold the loop past 50 ms too: judge
+    # the /spawns spans as long as the child's 80 ms hold.
+    def held():
+        return [e for e in events()
+                if e["path"] == "/spawns" and e["wall"] >= 0.075]
+
+    def child():
+        return [e for e in held()
+                if e["fn_name"] == "test_lifecycle._blocker_child"]
+    try:
+        wait_for(child, what="the child's blocking warning")
+    except AssertionError:
+        raise AssertionError("no event names the child: %r" % (events(),))
+    evs = child()
+    assert len(evs) == 1, events()
+    assert evs[0]["path"] == "/spawns" and evs[0]["wall"] >= 0.075
 
 
 # ---------------------------------------------------------------------------

@@ -249,11 +249,17 @@ def test_sampled_request_attributes_and_blocking_event(traced, spans):
     assert 0 <= attrs["greqprof.waiting_ms"] <= attrs["greqprof.wall_ms"]
     assert all(isinstance(attrs[k], (int, float)) for k in SAMPLED_KEYS
                if k != "greqprof.sampled")
-    # One event for the blocking span, the same as the profile's.
+    # One event for the blocking span, the same as the profile's.  (On a
+    # busy machine other spans may hold the loop past 50 ms too: judge the
+    # handler's; every event is one of the profile's.)
     events = [e for e in span.events if e.name == "greqprof.blocking"]
-    assert len(events) == 1, span.events
-    [ev] = events
-    [blocking] = profile.blocking
+    starts = {int(round(b.start * 1e9)): b for b in profile.blocking}
+    assert all(e.timestamp in starts for e in events), span.events
+    mine = [e for e in events
+            if "blocking_handler" in (e.attributes.get("stack") or "")]
+    assert len(mine) == 1, span.events
+    [ev] = mine
+    blocking = starts[ev.timestamp]
     assert set(ev.attributes) == EVENT_KEYS
     assert ev.attributes["wall_ms"] == pytest.approx(blocking.wall * 1000)
     assert ev.attributes["wall_ms"] >= BLOCK_S * 1000
@@ -269,7 +275,8 @@ def test_sampled_request_attributes_and_blocking_event(traced, spans):
 
 @needs_sdk
 def test_sampled_request_without_blocking_has_no_event(traced, spans):
-    s = traced(otel=True)
+    # (well above what a light request may take on a busy machine)
+    s = traced(otel=True, blocking_ms=500)
     assert http(s.port, "/children").status == 200
     profile = s.profile_for("/children")
     span = server_span(spans, "/children")
@@ -289,13 +296,19 @@ def test_unsampled_request_gets_blocking_events(traced, spans):
     assert http(s.port, "/children").status == 200
     block = server_span(spans, "/block")
     assert greqprof_attrs(block) == {"greqprof.sampled": False}
-    events = [e for e in block.events if e.name == "greqprof.blocking"]
-    assert len(events) == 1
+    # (on a busy machine other spans may hold the loop past 50 ms too:
+    # judge the handler's)
+    def handlers(sp):
+        return [e for e in sp.events if e.name == "greqprof.blocking"
+                and "blocking_handler" in (e.attributes.get("stack") or "")]
+    events = handlers(block)
+    assert len(events) == 1, block.events
     assert events[0].attributes["wall_ms"] >= BLOCK_S * 1000
-    assert "blocking_handler" in events[0].attributes["stack"]
     other = server_span(spans, "/children")
     assert greqprof_attrs(other) == {"greqprof.sampled": False}
-    assert not other.events
+    # nothing of /block's on /children, and no event but blocking ones
+    assert not handlers(other), other.events
+    assert all(e.name == "greqprof.blocking" for e in other.events)
     assert s.profiles == [] and s.mw.stats["errors"] == 0
 
 
@@ -499,13 +512,18 @@ def test_otlp_http_export(traced, otlp_receiver, monkeypatch):
     assert a["greqprof.sampled"] is True
     assert a["greqprof.longest_span_ms"] >= BLOCK_S * 1000
     assert a["greqprof.greenlets"] >= 1 and a["greqprof.spans"] >= 1
-    events = [e for e in sp.events if e.name == "greqprof.blocking"]
-    assert len(events) == 1
+    # (on a busy machine other spans may hold the loop past 50 ms too:
+    # judge the handler's)
+    events = [e for e in sp.events if e.name == "greqprof.blocking"
+              and "blocking_handler" in (_attrs(e.attributes).get("stack")
+                                         or "")]
+    assert len(events) == 1, sp.events
     ev = _attrs(events[0].attributes)
     assert set(ev) == EVENT_KEYS
     assert ev["wall_ms"] >= BLOCK_S * 1000
-    assert ev["fn_name"] == block_profile.blocking[0].fn_name
-    assert "blocking_handler" in ev["stack"]
+    [blocking] = [b for b in block_profile.blocking
+                  if int(round(b.start * 1e9)) == events[0].time_unix_nano]
+    assert ev["fn_name"] == blocking.fn_name
 
     for path, profile in (("/block", block_profile),
                           ("/fire", fire_profile)):

@@ -128,8 +128,9 @@ def test_prometheus_scrapes_two_gunicorn_workers(tmp_path):
         def blocking_now():
             return query(pport, "sum by (route) (greqprof_blocking_total)")
         # (a sampled hold counts when its profile is delivered: maybe a
-        # scrape later than its request)
-        wait(lambda: blocking_now().get(hold) == HOLDS,
+        # scrape later than its request; on a busy machine a hold's request
+        # may hold the loop past 20 ms elsewhere too: at least the holds)
+        wait(lambda: blocking_now().get(hold, 0) >= HOLDS,
              "Prometheus summing %d blocking events" % HOLDS, timeout=20)
         blocking = blocking_now()
         assert all(dict(k)["route"] in ("/hold/<int:n>", "/fail",

@@ -121,8 +121,11 @@ def test_every_json_line_respects_json_max_bytes(serve, caplog, limit):
             ev = json.loads(line)
             assert ev["wall"] > 0
             # (greqprof's own drain loop may show here too, with no path:
-            # rendering this hostile profile took 62 ms on a slow CI host)
-            if (ev["path"] or "").startswith("/block"):  # (path too long)
+            # rendering this hostile profile took 62 ms on a slow CI host;
+            # and on a busy machine other spans of the request may pass
+            # 40 ms with less text to cut: judge the 60 ms _hold spans)
+            if (ev["path"] or "").startswith("/block") and \
+                    ev["wall"] >= 0.055:  # (path and function name long)
                 assert ev["cut"]["texts"] > 0
                 block_events += 1
             if "cut" in ev:

@@ -111,4 +111,7 @@ def test_other_threads_record_held_in_keep():
     print("B warnings", hb.msgs)
     print("B profile blocking", [b.wall for b in profiles_b[0].blocking])
     assert profiles_b[0].blocking, "B's blocking span missing from its profile"
-    assert all("during GET /b" in m for m in hb.msgs), hb.msgs
+    # (app_b's span: on a loaded machine B's other greenlets, its
+    # client's among them, can hold its loop past 20 ms too)
+    mine = [m for m in hb.msgs if "app_b (" in m]
+    assert mine and all("during GET /b" in m for m in mine), hb.msgs

@@ -242,7 +242,9 @@ def test_blocking_events_count_by_route(serve):
         wait_for(lambda: by_route(s.mw).get("/hold/{id}", {}).get(
             "blocking", 0) >= 2, what="blocking counted (pct=%s)" % pct)
         rec = by_route(s.mw)["/hold/{id}"]
-        assert rec["blocking"] == 2 and rec["blocked"] >= 0.02
+        # (at least: on a busy host a request's other span can pass 10 ms
+        # of wall time too, an event of the same request and route)
+        assert rec["blocking"] >= 2 and rec["blocked"] >= 0.02
         assert s.mw._routes.blocking >= 2
 
 

@@ -317,20 +317,28 @@ def test_a_replaced_switch_hook_sends_sampled_requests_to_python(serve):
 
 def test_linger_can_be_changed_at_run_time(serve):
     """The C path's finisher follows mw.linger: set to 0, a profile whose
-    child is still running is delivered at once, not after 2 s."""
+    child is still running is delivered at once, not after 5 s (the
+    child's end; the linger it was made with is 10 s)."""
+    kids = []
+
     def app(environ, start_response):
-        gevent.spawn(gevent.sleep, 1.0)   # a child still running
+        kids.append(gevent.spawn(gevent.sleep, 5.0))  # a child still running
         return ok()(environ, start_response)
 
-    s = serve(app, pct=1.0, linger=2.0)
-    assert s.get("/warm-up").status == 200
-    s.mw.linger = 0
-    assert s.mw.linger == 0.0
-    assert s.get("/now").status == 200
-    s.profile_for("/now", timeout=0.5)
-    with pytest.raises(Exception, match="linger"):
-        s.mw.linger = -1
-    assert s.mw.linger == 0.0
+    s = serve(app, pct=1.0, linger=10.0)
+    try:
+        assert s.get("/warm-up").status == 200
+        s.mw.linger = 0
+        assert s.mw.linger == 0.0
+        assert s.get("/now").status == 200
+        # (1.5 s: a busy machine's slack, far below the 5 s a stale linger
+        # would take)
+        s.profile_for("/now", timeout=1.5)
+        with pytest.raises(Exception, match="linger"):
+            s.mw.linger = -1
+        assert s.mw.linger == 0.0
+    finally:
+        gevent.killall(kids)
 
 
 # ---------------------------------------------------------------------------
