@@ -19,6 +19,16 @@ from greqprof import ProfilingMiddleware, set_route
 pytestmark = pytest.mark.timeout(30)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_engine():
+    """The thread's engine keeps the options of the middleware that made
+    it, and conftest removes its switch hook after each test: the next
+    test in this thread starts with a new one."""
+    yield
+    from test_middleware import reset_greqprof
+    reset_greqprof()
+
+
 def env(path):
     return {"REQUEST_METHOD": "GET", "PATH_INFO": path, "SCRIPT_NAME": "",
             "wsgi.url_scheme": "http"}

@@ -50,7 +50,8 @@ def test_finish_base_exception_leaks_request(serve, exc, observers):
     log.addHandler(h)
     try:
         s = serve(app, pct=1.0, blocking_ms=20, observers=[Obs()] if observers else (),
-                  linger=0.1, report=False)
+                  linger=0.1, report=False,
+                  blocking_interval=0)   # (burn()'s site: logged each time)
         assert s.get("/warm").status == 200
         s.wait_profiles(1)
         assert s.mw._open == 0
