@@ -860,8 +860,8 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
         Py_XDECREF(g);
         return NULL;
     }
-    /* (a greenlet keeps its one weak reference without a callback: a
-     * keep-alive connection's requests share it) */
+    /* (CPython shares a live weak reference without a callback: one
+     * small allocation a request at most) */
     w->gref = g ? PyWeakref_NewRef(g, NULL) : NULL;
     if (g && !w->gref) {
         err_clear();   /* (then set_route's name is the running greenlet's) */
