@@ -1945,6 +1945,32 @@ static void finalize_forget(PyObject *eng, gqp_req *req)
  * (a gevent.Timeout, GreenletExit) goes on once the request is released,
  * undelivered if it came before the sink.  A request of another thread
  * is left for its own (its tracer cannot be read here). */
+/* req finished in another thread (or by the collector) and came back
+ * to its own, where it is now: its greenlet leaves the profile (the other
+ * thread could not use this thread's tracer) and observers hear of the
+ * response's end, once, before anything is delivered.  The finisher's
+ * pass does this first; a flush() or a thread's end that comes before it
+ * finalizes the request itself (finalize: 1; not for a request that
+ * max_lifetime truncates, whose observers hear of its end when it really
+ * ends).  0, or -1 with a BaseException set. */
+static int settle_foreign_finish(gqp_mw *mw, gqp_req *req, int finalize)
+{
+    if (req->done != Py_True ||
+        (finalize && req->truncated == Py_True)) {
+        return 0;
+    }
+    gqp_py_thread *rst = req_state(req);
+    if (rst && req_owns_greenlet(rst, req)) {
+        attach_greenlet(rst, req->greenlet, NULL);
+        PyErr_Clear();
+    }
+    if (mw->observers && !req->end_seen && req->st == gqp__tls) {
+        req->end_seen = 1;
+        return lifecycle_hook(mw, str_observe_end, req);
+    }
+    return 0;
+}
+
 static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
                              Py_ssize_t nargs)
 {
@@ -1978,13 +2004,21 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     Py_INCREF(req);
     Py_INCREF(eng);
     PyObject *stop = NULL;   /* a BaseException from the drain */
+    if (settle_foreign_finish(self, req, 1) < 0) {
+        stop = PyErr_GetRaisedException();
+    }
     if (PyList_GET_SIZE(reg_long) > 0) {
         /* Drained while the request is still registered, so its blocking
          * spans are named after it. */
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self,
                                                 str_drain_blocking, eng);
         if (!r && internal_error(self, str_finish_where) < 0) {
-            stop = PyErr_GetRaisedException();
+            PyObject *e = PyErr_GetRaisedException();
+            if (stop) {
+                Py_DECREF(e);   /* (the first goes on) */
+            } else {
+                stop = e;
+            }
         }
         Py_XDECREF(r);
     }
@@ -2128,22 +2162,9 @@ static PyObject *finish_pending_py(PyObject *self, PyObject *const *args,
         }
         gqp_mw *mw = (gqp_mw *)PyTuple_GET_ITEM(item, 0);
         gqp_req *req = (gqp_req *)PyTuple_GET_ITEM(item, 1);
-        gqp_py_thread *rst = req_state(req);
-        if (rst && req->done == Py_True && req_owns_greenlet(rst, req)) {
-            /* Finished from another thread, which could not use this
-             * thread's tracer: its greenlet leaves the profile now. */
-            attach_greenlet(rst, req->greenlet, NULL);
-            PyErr_Clear();
-        }
-        if (mw->observers && !req->end_seen && req->done == Py_True &&
-            req->st == gqp__tls) {
-            /* Finished from another thread (in its own, observers hear
-             * of it there): they hear of it here, in the request's. */
-            req->end_seen = 1;
-            if (lifecycle_hook(mw, str_observe_end, req) < 0) {
-                Py_DECREF(item);   /* (it stays queued: finalized later) */
-                return pass_stopped(pending, waiting, i);
-            }
+        if (settle_foreign_finish(mw, req, 0) < 0) {
+            Py_DECREF(item);   /* (it stays queued: finalized later) */
+            return pass_stopped(pending, waiting, i);
         }
         int wait = 0;
         /* A request the finisher sees queued for the first time waits one

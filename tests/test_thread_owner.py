@@ -390,3 +390,79 @@ def test_middleware_profiles_threads_reusing_a_dead_threads_id():
         t.join(30)
     assert sorted(sink.ids) == ["seq-0", "seq-1", "seq-2"], mw.stats
     assert mw._open == 0 and mw.stats["errors"] == 0
+
+
+class _OrderedObserver:
+    """Every observer call in order, as (event, request id)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.events = []
+
+    def _add(self, event, req):
+        with self.lock:
+            self.events.append((event, req.request_id))
+
+    def on_begin(self, req):
+        self._add("begin", req)
+
+    def on_response_end(self, req, snapshot, blocking):
+        # (the profile so far, as the finisher's pass gives it)
+        self._add("end" if snapshot is not None and
+                  snapshot.request_id == req.request_id else "end, no "
+                  "snapshot", req)
+
+    def on_profile(self, req, profile):
+        self._add("profile", req)
+
+
+@pytest.mark.parametrize("how", ["close", "collect"])
+def test_flush_tells_observers_of_a_foreign_finish_before_its_profile(how):
+    """A body closed (or collected) in another OS thread queues its request
+    for its own thread's finisher, which tells observers of the response's
+    end there.  A flush() that comes first (a worker exiting) finalizes
+    the request itself: observers still hear on_response_end, once and
+    before on_profile.  (Before: flush delivered the profile first, and
+    observers heard of the end only if the thread's loop ran again.)"""
+    sink, obs = _Sink(), _OrderedObserver()
+    mw = ProfilingMiddleware(_ok_app, pct=1.0, report=False, sink=sink,
+                             observers=[obs], blocking_ms=None, linger=5)
+    flushed = []
+
+    def in_real_thread(fn):
+        # (a real OS thread joined without yielding: the serving thread's
+        # loop, and so its finisher, does not run meanwhile)
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
+    def writer(environ, start_response):
+        box = [mw(environ, start_response)]
+        out = []
+
+        def write():
+            out.append(b"".join(box[0]))
+            if how == "close":
+                box[0].close()
+            else:   # the only reference dropped there
+                box.pop()
+                gc.collect()
+        in_real_thread(write)
+        assert engine.current_engine().pending   # (queued, not finalized)
+        flushed.append(mw.flush())
+        return out
+
+    def serve():
+        server = pywsgi.WSGIServer(("127.0.0.1", 0), writer, log=None)
+        server.start()
+        assert _http_get(server.server_port, "/", "f-1") == \
+            b"HTTP/1.1 200 OK"
+        gevent.sleep(0.2)   # the finisher's pass, had flush left anything
+        server.stop()
+
+    _in_thread(serve)
+    assert flushed == [1]
+    assert obs.events == [("begin", "f-1"), ("end", "f-1"),
+                          ("profile", "f-1")]
+    assert sink.ids == ["f-1"]
+    assert mw._open == 0 and mw.stats["errors"] == 0
