@@ -1991,12 +1991,21 @@ static PyObject *mw_finalize(gqp_mw *self, PyObject *const *args,
     if (!st || !has_profile(req) || !rp_type || !rp_loader) {
         if (st || engine_abandoned(eng)) {
             /* (a forked child's copy of the parent's request, or no
-             * profile: nothing to deliver here) */
+             * profile: nothing to deliver here; an observed request
+             * finished elsewhere still ends for its observers) */
             req->finalizing = 1;
             Py_INCREF(req);
+            PyObject *stop = NULL;
+            if (st && settle_foreign_finish(self, req, 1) < 0) {
+                stop = PyErr_GetRaisedException();
+            }
             req_release_slot(self, req);
             finalize_forget(eng, req);
             Py_DECREF(req);
+            if (stop) {
+                PyErr_SetRaisedException(stop);
+                return NULL;
+            }
         }
         Py_RETURN_NONE;
     }

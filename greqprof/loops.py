@@ -263,11 +263,13 @@ def flush_thread(timeout=None):
         left = None if deadline is None else deadline - _monotonic()
         if left is not None and left <= 0:
             break
-        if req.profile is not None and req.greenlet is not None and \
-                not req.finalizing:
+        # (an observed request without a profile, finished in another
+        # thread: its observers hear of its end here)
+        if (req.profile is not None or mw.observers) and \
+                req.greenlet is not None and not req.finalizing:
             if not _finalize_within(mw, eng, req, left):
                 break   # (out of time in a delivery: the rest is given up)
-            n += 1
+            n += req.profile is not None
     return n
 
 

@@ -300,7 +300,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         gevent.Timeout interrupts a sink or a log handler that waits on
         gevent; one that blocks the whole thread without yielding, such as
         an unpatched ``time.sleep``, cannot be interrupted); None: no
-        limit.  Returns how many were delivered.
+        limit.  Returns how many were delivered.  A request whose
+        response was finished in another thread ends for its observers
+        first (``on_response_end``), a request without a profile too.
 
         It also runs by itself at interpreter exit (``atexit``, for the
         thread that exits) and, under ``python -m greqprof serve``, on

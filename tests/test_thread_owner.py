@@ -416,18 +416,22 @@ class _OrderedObserver:
         self._add("profile", req)
 
 
+@pytest.mark.parametrize("pct", [1.0, 0.0])
 @pytest.mark.parametrize("how", ["close", "collect"])
-def test_flush_tells_observers_of_a_foreign_finish_before_its_profile(how):
+def test_flush_tells_observers_of_a_foreign_finish_before_its_profile(how,
+                                                                      pct):
     """A body closed (or collected) in another OS thread queues its request
     for its own thread's finisher, which tells observers of the response's
     end there.  A flush() that comes first (a worker exiting) finalizes
     the request itself: observers still hear on_response_end, once and
-    before on_profile.  (Before: flush delivered the profile first, and
-    observers heard of the end only if the thread's loop ran again.)"""
+    before on_profile; an observed request without a profile is done with
+    too.  (Before: flush delivered the profile first, and observers heard
+    of the end only if the thread's loop ran again, which at interpreter
+    exit it does not.)"""
     sink, obs = _Sink(), _OrderedObserver()
-    mw = ProfilingMiddleware(_ok_app, pct=1.0, report=False, sink=sink,
+    mw = ProfilingMiddleware(_ok_app, pct=pct, report=False, sink=sink,
                              observers=[obs], blocking_ms=None, linger=5)
-    flushed = []
+    flushed, at_flush = [], []
 
     def in_real_thread(fn):
         # (a real OS thread joined without yielding: the serving thread's
@@ -448,8 +452,12 @@ def test_flush_tells_observers_of_a_foreign_finish_before_its_profile(how):
                 box.pop()
                 gc.collect()
         in_real_thread(write)
-        assert engine.current_engine().pending   # (queued, not finalized)
+        eng = engine.current_engine()
+        assert eng.pending   # (queued, not finalized)
         flushed.append(mw.flush())
+        # (before the loop runs again: all a worker's exit would see)
+        at_flush.append((list(obs.events), list(eng.pending),
+                         dict(eng.requests)))
         return out
 
     def serve():
@@ -461,8 +469,16 @@ def test_flush_tells_observers_of_a_foreign_finish_before_its_profile(how):
         server.stop()
 
     _in_thread(serve)
-    assert flushed == [1]
-    assert obs.events == [("begin", "f-1"), ("end", "f-1"),
-                          ("profile", "f-1")]
-    assert sink.ids == ["f-1"]
+    if pct:
+        events = [("begin", "f-1"), ("end", "f-1"), ("profile", "f-1")]
+    else:   # (no profile, so no snapshot)
+        events = [("begin", "f-1"), ("end, no snapshot", "f-1")]
+    assert flushed == [1 if pct else 0]
+    [(seen, pending, requests)] = at_flush
+    assert seen == events
+    # (what the finisher's next pass would drop: finalized already)
+    assert [req.finalizing for _, req in pending] in ([], [True])
+    assert requests == {}
+    assert obs.events == events
+    assert sink.ids == (["f-1"] if pct else [])
     assert mw._open == 0 and mw.stats["errors"] == 0
