@@ -37,12 +37,15 @@ typedef struct gqp_note {
     int clean;                       /* cleaned already (note_find) */
     const void *serving;             /* the environ its middleware's app
                                         runs with now (identity only) */
+    const void *mw;                  /* the middleware that serves it
+                                        (identity only, never read) */
 } gqp_note;
 
 static void note_clear(gqp_note *n)
 {
     n->gid = 0;
     n->serving = NULL;
+    n->mw = NULL;
     Py_CLEAR(n->method);
     Py_CLEAR(n->path);
     Py_CLEAR(n->rid);
@@ -127,7 +130,7 @@ static PyObject *note_raw(PyObject *v, Py_ssize_t max)
  * nothing noted, the request just goes unnamed in a blocking report.
  * The arguments are the caller's references. */
 static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
-                     PyObject *path, PyObject *rid)
+                     PyObject *path, PyObject *rid, const void *mw)
 {
     if (!gid) {
         return;
@@ -142,6 +145,7 @@ static void note_set(gqp_py_thread *st, uint64_t gid, PyObject *method,
         n->serving = NULL;
     }
     n->gid = gid;
+    n->mw = mw;
     n->route = NULL;
     n->method = note_raw(method, GQP_NOTE_MAX_METHOD);
     n->path = note_raw(path, GQP_NOTE_MAX_PATH);
@@ -363,9 +367,11 @@ static void note_clean(gqp_py_thread *st, uint64_t gid)
     }
 }
 
-/* (method, path, request_id, route) of the first noted request along a
- * spawner chain (route: the name the app gave it so far, sampler_name,
- * else None), or None; a new reference (GIL held). */
+/* (method, path, request_id, route, middleware) of the first noted
+ * request along a spawner chain (route: the name the app gave it so far,
+ * sampler_name, else None; middleware: the address of the one serving
+ * it, so that only it reports the span, or None), or None; a new
+ * reference (GIL held). */
 static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
 {
     for (Py_ssize_t i = 0; st->notes && i < PyTuple_GET_SIZE(chain); i++) {
@@ -379,8 +385,14 @@ static PyObject *note_find(gqp_py_thread *st, PyObject *chain)
             n = &st->notes[gid & (GQP_NOTES - 1)];
         }
         if (n->gid == gid) {
-            return PyTuple_Pack(4, or_none(n->method), or_none(n->path),
-                                or_none(n->rid), or_none(n->route));
+            PyObject *mw = n->mw ? PyLong_FromVoidPtr((void *)n->mw)
+                                 : Py_NewRef(Py_None);
+            PyObject *r = mw ? PyTuple_Pack(5, or_none(n->method),
+                                            or_none(n->path), or_none(n->rid),
+                                            or_none(n->route), mw)
+                             : NULL;
+            Py_XDECREF(mw);
+            return r;
         }
     }
     err_clear();
@@ -427,14 +439,14 @@ static gqp_py_thread *hooks_arg(PyObject *addr)
     return st;
 }
 
-/* _registry.note(hooks, greenlet_id, method, path, request_id): notes the
- * request that greenlet begins now (the Python path's twin of the C
- * path's note). */
+/* _registry.note(hooks, greenlet_id, method, path, request_id[,
+ * middleware]): notes the request that greenlet begins now (the Python
+ * path's twin of the C path's note). */
 static PyObject *note_py(PyObject *self, PyObject *const *args,
                          Py_ssize_t nargs)
 {
     (void)self;
-    if (want_args(nargs, 5, "note") < 0) {
+    if (nargs != 6 && want_args(nargs, 5, "note") < 0) {
         return NULL;
     }
     gqp_py_thread *st = hooks_arg(args[0]);
@@ -442,7 +454,8 @@ static PyObject *note_py(PyObject *self, PyObject *const *args,
     if (PyErr_Occurred()) {
         return NULL;
     }
-    note_set(st, gid, args[2], args[3], args[4]);
+    note_set(st, gid, args[2], args[3], args[4],
+             nargs == 6 && args[5] != Py_None ? (const void *)args[5] : NULL);
     Py_RETURN_NONE;
 }
 
@@ -544,7 +557,8 @@ static PyObject *mw_begin_request(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
 static PyObject *mw_end_lingering(gqp_mw *self, PyObject *const *args,
                                   Py_ssize_t nargs);
-static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ);
+static uint64_t note_unsampled(gqp_mw *self, gqp_py_thread *st,
+                               PyObject *environ);
 static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
                              PyObject *environ, PyObject *start_response);
 static PyObject *mw_open_acquire(gqp_mw *self, PyObject *const *args,
@@ -982,7 +996,7 @@ static PyObject *mw_serve(gqp_mw *self, PyObject *environ,
 static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
                              PyObject *environ, PyObject *start_response)
 {
-    uint64_t gid = note_unsampled(st, environ);
+    uint64_t gid = note_unsampled(self, st, environ);
     gqp_note *n = gid && st->notes ? &st->notes[gid & (GQP_NOTES - 1)]
                                    : NULL;
     const void *prev = NULL;
@@ -1005,7 +1019,8 @@ static PyObject *serve_noted(gqp_mw *self, gqp_py_thread *st,
 
 /* Notes the unsampled request the running greenlet begins (environ: an
  * exact dict). */
-static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ)
+static uint64_t note_unsampled(gqp_mw *self, gqp_py_thread *st,
+                               PyObject *environ)
 {
     uint64_t gid = 0;
     if (gqp_tracer_current(st->tracer, NULL, &gid, NULL) == GQP_OK) {
@@ -1019,7 +1034,7 @@ static uint64_t note_unsampled(gqp_py_thread *st, PyObject *environ)
         PyObject *r = PyDict_GetItemWithError(environ, str_rid_key);
         Py_XINCREF(r);
         err_clear();
-        note_set(st, gid, m, p, r);
+        note_set(st, gid, m, p, r, self);
         Py_XDECREF(m);
         Py_XDECREF(p);
         Py_XDECREF(r);

@@ -1430,7 +1430,7 @@ static PyObject *sampled_call(gqp_mw *self, gqp_py_thread *st,
         }
         /* Not sampled after all (max_open reached) */
         if (self->blocking && (st = armed_state(self))) {
-            note_unsampled(st, environ);
+            note_unsampled(self, st, environ);
         }
         return call_app(self, environ, start_response);
     }

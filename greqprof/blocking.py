@@ -48,13 +48,26 @@ def _report_long_span(mw, eng, rec):
     if owner is not None and \
             len(owner.blocking) < MAX_PER_REQUEST:
         owner.blocking.append(ev)
-    # Several middlewares may share this thread's engine: each
-    # reports what reaches its own threshold.
-    for m in list(eng.middlewares) or [mw]:
+    # Several middlewares may share this thread's engine: the one that
+    # served the request reports it (when it reaches its threshold); a
+    # span of no request, each that it reaches.
+    for m in _reporters(eng, mw, owner):
         if rec[3] - rec[2] >= m.config.blocking_ns > 0:
             m.stats["blocking"] += 1
             _count_route(m, owner, ev)
             log_blocking(m, ev)
+
+
+def _reporters(eng, mw, owner):
+    """The middlewares that report a long span of owner's request: the one
+    that served it, else (no request, or its middleware gone) every one
+    the thread serves."""
+    every = list(eng.middlewares) or [mw]
+    if isinstance(owner, _UnsampledRequest):
+        mine = [m for m in every if id(m) == owner.middleware_id]
+    else:
+        mine = [m for m in every if m is getattr(owner, "owner", None)]
+    return mine or every
 
 
 def _count_route(mw, owner, ev):
@@ -261,11 +274,12 @@ class _UnsampledRequest:
     """What a blocking report needs of an unsampled request."""
 
     __slots__ = ("method", "path", "request_id", "route", "profile",
-                 "blocking")
+                 "blocking", "middleware_id")
 
     def __init__(self, note):
-        # (str or None: the notes keep only str)
-        method, path, rid, route = note
+        # (str or None: the notes keep only str; the middleware by its
+        # address, or None)
+        method, path, rid, route, self.middleware_id = note
         self.method = method or ""
         self.path = path or ""
         self.request_id = rid or None

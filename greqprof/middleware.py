@@ -515,7 +515,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             _registry.note(eng.tracer.hooks_addr, gid,
                            environ.get("REQUEST_METHOD"),
                            environ.get("PATH_INFO"),
-                           environ.get("HTTP_X_REQUEST_ID"))
+                           environ.get("HTTP_X_REQUEST_ID"), self)
 
     def _join(self, eng):
         """This thread's engine serves this middleware: registered with it,

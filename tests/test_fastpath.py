@@ -209,9 +209,9 @@ def test_a_note_is_the_greenlets_latest_request():
         out.append(find(h, me)[0])
         o.join()
     gevent.spawn(run).join()
-    assert out == [None, ("GET", "/first", None, None),
-                   ("PUT", "/second", "rid-7", None),
-                   ("PUT", "/second", "rid-7", None)]
+    assert out == [None, ("GET", "/first", None, None, None),
+                   ("PUT", "/second", "rid-7", None, None),
+                   ("PUT", "/second", "rid-7", None, None)]
 
 
 def test_notes_keep_only_strings_cut_to_size():
@@ -224,7 +224,7 @@ def test_notes_keep_only_strings_cut_to_size():
         _registry.note(h, _gid(), "M" * 100, "/" + "p" * 5000, "r" * 1000)
         out.append(_registry.request_note(h, gevent.getcurrent())[0])
     gevent.spawn(run).join()
-    assert out[0] == (None, None, None, None)
+    assert out[0] == (None, None, None, None, None)
     assert [len(x) for x in out[1][:3]] == [32, 2048, 200]
 
 
@@ -247,7 +247,7 @@ def test_a_spawned_greenlet_takes_its_spawners_note():
         kid.join()
     gevent.spawn(run).join()
     (note, chain), (me, kid) = out
-    assert note == ("GET", "/parent", None, None)
+    assert note == ("GET", "/parent", None, None, None)
     assert chain == (kid, me)
 
 

@@ -1588,6 +1588,7 @@ def test_second_middleware_gets_its_own_options(serve):
 @pytest.mark.parametrize("other_ms", [
     None,
     500,
+    100,   # (the same threshold: still only the one that served it)
 ])
 def test_two_middlewares_each_report_their_blocking(serve, caplog,
                                                      other_ms):
