@@ -251,6 +251,16 @@ def truncate(mw, eng, req, now):
         mw._finalize(eng, req)
 
 
+def _drain_last(eng):
+    """The blocking spans of eng's thread its drain loop (once a second)
+    has not reported yet: reported now, as the thread serves no more, or
+    never (and left queued under an ident a later thread may be given,
+    which would report them as its own)."""
+    from . import blocking
+    for mw in list(eng.middlewares)[:1]:
+        _quietly(blocking.drain, mw, eng)
+
+
 def thread_ended(eng):
     """eng's thread is ending (called in it, as CPython drops its
     thread-locals; its hub may be gone already): its queued requests are
@@ -269,6 +279,7 @@ def thread_ended(eng):
         eng.tracer.set(_lowlevel.lib.GQP_TRACER_LONG_SPAN_NS, 0, "long span")
     except Exception:
         pass
+    _drain_last(eng)
     try:
         # The finisher's pass (C), as if every linger were over: it also
         # tells observers of requests finished from other threads.
@@ -370,6 +381,8 @@ def shutdown():
     """Removes the hooks from the calling thread (tests, reconfiguration)."""
     eng = getattr(_local, "engine", None)
     if eng is not None:
+        if not eng.abandoned:
+            _drain_last(eng)
         eng.abandon()
         eng.stop()
         _local.engine = None

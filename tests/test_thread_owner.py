@@ -482,3 +482,51 @@ def test_flush_tells_observers_of_a_foreign_finish_before_its_profile(how,
     assert obs.events == events
     assert sink.ids == (["f-1"] if pct else [])
     assert mw._open == 0 and mw.stats["errors"] == 0
+
+
+def test_a_thread_that_ends_reports_its_last_blocking_spans():
+    """An unsampled request's blocking span is queued for the thread's
+    drain loop (once a second); a thread that ends before the loop runs
+    reports it as it ends, under its own request.  (Before: never logged,
+    and left queued under the thread's ident, which a later thread may be
+    given: it then reported them as its own.)"""
+    import logging
+    from greqprof import _registry
+    from gevent import monkey
+    real_sleep = monkey.get_original("time", "sleep")
+    seen = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                seen.append(record.getMessage())
+
+    log = logging.getLogger("greqprof.test.thread_end_blocking")
+    log.addHandler(Handler())
+    log.propagate = False
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/blk":
+            real_sleep(0.08)   # holds the thread's loop
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    mw = ProfilingMiddleware(app, pct=0.0, report=False, blocking_ms=40,
+                             stack_hz=0, summary_s=None, logger=log.name)
+    idents = []
+
+    def serve():
+        idents.append(threading.get_ident())
+        server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+        server.start()
+        assert _http_get(server.server_port, "/blk", "b-1") == \
+            b"HTTP/1.1 200 OK"
+        server.stop()   # (and the thread ends, well within a second)
+
+    t = threading.Thread(target=serve)   # (no shutdown(): it just ends)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    held = [m for m in seen if "during GET /blk" in m and "app (" in m]
+    assert len(held) == 1, seen
+    assert [r for r in _registry.long_spans if r[0] == idents[0]] == []
