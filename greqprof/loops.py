@@ -308,6 +308,13 @@ def _flush_at_exit():
         flush_thread(EXIT_FLUSH_S)
     except BaseException:   # (never fail the interpreter's exit)
         pass
+    # (the drain loop copies counts to prometheus_client once a second:
+    # the last second's would be lost with the process)
+    for mw in list(live_middlewares):
+        try:
+            mw._sync_metrics()
+        except BaseException:
+            pass
 
 
 atexit.register(_flush_at_exit)

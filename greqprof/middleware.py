@@ -303,11 +303,25 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         limit.  Returns how many were delivered.  A request whose
         response was finished in another thread ends for its observers
         first (``on_response_end``), a request without a profile too.
+        With ``metrics_path``, the counts so far go to prometheus_client
+        (its multiprocess files), as the drain loop does once a second.
 
         It also runs by itself at interpreter exit (``atexit``, for the
         thread that exits) and, under ``python -m greqprof serve``, on
         SIGTERM and SIGINT."""
-        return loops.flush_thread(timeout)
+        n = loops.flush_thread(timeout)
+        self._sync_metrics()
+        return n
+
+    def _sync_metrics(self):
+        """What the routes counted goes to prometheus_client now (its
+        multiprocess files too), not at the drain loop's next pass: a
+        worker that exits keeps its last second's counts."""
+        if self.metrics is not None:
+            try:
+                self.metrics.sync()
+            except Exception as e:
+                self._internal_error("metrics", e)
 
     def write_pprof(self, path, route=None):
         """Writes the stack samples so far (``stack_hz``) to ``path`` as a
