@@ -165,7 +165,7 @@ def log_blocking(mw, ev):
             return
         logged = False
         try:
-            logs.ensure_visible(mw.log)
+            logs.ensure_visible(mw.log, mw.json_logs)
             for summary in sites.expired(_monotonic()) \
                     if sites.pending else ():
                 _log_summary(mw, *summary)
@@ -189,7 +189,7 @@ def log_summaries(mw, force=False):
     _registry.own_work()
     try:
         for summary in mw._blocking_sites.expired(_monotonic(), force):
-            logs.ensure_visible(mw.log)
+            logs.ensure_visible(mw.log, mw.json_logs)
             _log_summary(mw, *summary)
     except Exception as e:
         mw._internal_error("logging", e)

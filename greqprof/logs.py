@@ -20,10 +20,12 @@ class DefaultHandler(logging.StreamHandler):
     made before or after, wins: from then on greqprof's records go where
     they would have gone had it been made before the first request."""
 
-    def __init__(self, logger):
+    def __init__(self, logger, json=False):
         super().__init__()
         self._logger = logger
+        # (json_logs: each line one JSON object, for a log shipper)
         self.setFormatter(logging.Formatter(
+            "%(message)s" if json else
             "%(asctime)s %(levelname)s [%(name)s] %(message)s"))
 
     @property
@@ -59,11 +61,12 @@ class DefaultHandler(logging.StreamHandler):
             self._logger.setLevel(logging.NOTSET)
 
 
-def ensure_visible(logger):
+def ensure_visible(logger, json=False):
     """Before greqprof logs to a logger: on its first use, when no handler
     anywhere in its hierarchy would print (logging.lastResort does not
     count: it prints WARNINGs only, and only the message), adds a
-    DefaultHandler; later, once the application has a handler of its own
+    DefaultHandler (printing the bare message when json: json_logs);
+    later, once the application has a handler of its own
     in the hierarchy, takes it away (and the level it set), so that
     whether the record is logged at all is the application's
     configuration's call."""
@@ -86,7 +89,7 @@ def ensure_visible(logger):
         if len(_checked_loggers) >= 1000:   # (logger names a user passes)
             _checked_loggers.clear()
         if not logger.hasHandlers() and len(_defaults) < 100:
-            own = DefaultHandler(logger)
+            own = DefaultHandler(logger, json)
             logger.addHandler(own)
             _defaults[logger.name] = own
             if logger.level == logging.NOTSET:

@@ -619,7 +619,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             return
         ran, self._summary_seen = total - self._summary_seen, total
         log = self.log
-        logs.ensure_visible(log)
+        logs.ensure_visible(log, self.json_logs)
         if not (log.isEnabledFor(logging.INFO) and logs.would_emit(log)):
             return
         records = self._routes.summary_records()
@@ -663,7 +663,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if self.report:
             try:
                 log = self.log
-                logs.ensure_visible(log)
+                logs.ensure_visible(log, self.json_logs)
                 if log.isEnabledFor(logging.INFO) and logs.would_emit(log):
                     if self.json_logs:
                         log.info(profile.to_json(

@@ -69,11 +69,12 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, mode):
+def _run(tmp_path, mode, **greqprof_env):
     script = tmp_path / "visible.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in child_env().items()
            if not k.startswith("GREQPROF_")}
+    env.update(greqprof_env)
     r = subprocess.run([sys.executable, str(script), mode],
                        capture_output=True, timeout=60, cwd=CHILD_CWD,
                        env=env)
@@ -88,6 +89,20 @@ def test_reports_and_warnings_reach_stderr_without_logging_config(tmp_path):
     assert "INFO [greqprof] >>> Begin RequestProfile" in err
     assert "WARNING [greqprof] Blocking span: " in err
     assert "during GET /block" in err
+
+
+def test_json_logs_through_the_default_handler_are_one_object_a_line(
+        tmp_path):
+    """GREQPROF_JSON_LOGS=1 and no logging configured: greqprof's stderr
+    handler prints the bare message, so every line is one JSON object a
+    log shipper (or ``greqprof view``) reads as it is.  (Before: each line
+    began with a time stamp, level and logger name.)"""
+    err = _run(tmp_path, "none", GREQPROF_JSON_LOGS="1")
+    lines = err.splitlines()
+    objs = [json.loads(line) for line in lines]   # (each one whole)
+    assert len(objs) == 4 and len(lines) == 4
+    assert sum("blocking" in json.dumps(o) and "/block" in json.dumps(o)
+               for o in objs) >= 1
 
 
 def test_the_applications_logging_config_wins(tmp_path):
