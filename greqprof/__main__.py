@@ -11,9 +11,13 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 
 UI_PATH = "/_greqprof"
+#: middleware option -> the serve flag that sets it (errors name the flag)
+FLAGS = {"pct": "--pct", "calls": "--calls", "blocking_ms": "--blocking-ms",
+         "profile_dir": "--profile-dir", "formats": "--formats"}
 #: seconds requests in flight get to end on SIGTERM/SIGINT
 STOP_GRACE_S = 5.0
 #: seconds the profiles still waiting may take to be delivered then
@@ -48,6 +52,11 @@ def load_app(spec):
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise CliError("cannot import module %r: %s" % (module_name, e))
+    except SyntaxError as e:   # (also in a module it imports)
+        from ._text import clean
+        raise CliError("cannot import module %r: %s in %s, line %s: %s" % (
+            module_name, type(e).__name__, clean(str(e.filename), 300),
+            e.lineno, clean(str(e.msg), 300)))
     names = [attr] if attr else ["application", "app"]
     for name in names:
         obj = module
@@ -66,6 +75,7 @@ def load_app(spec):
 def cmd_serve(args):
     from gevent import pywsgi
 
+    from . import config
     from .errors import ConfigError
     from .middleware import ProfilingMiddleware, find_middleware
 
@@ -84,13 +94,13 @@ def cmd_serve(args):
                 blocking_ms=_blocking_ms(args),
                 ui_path=UI_PATH if args.ui else None,
                 profile_dir=args.profile_dir,
-                formats=args.formats.split(",") if args.formats else None,
+                formats=_formats_arg(args),
                 report=not args.quiet)
             inspector = mw.inspector
         else:
             app, inspector = _adopt(mw, app, args)
     except ConfigError as e:
-        raise CliError(str(e))
+        raise CliError(config.name_flags(e, FLAGS, off={"blocking_ms": "0"}))
     try:
         server = pywsgi.WSGIServer((args.host, args.port), app,
                                    log=None if args.quiet else "default")
@@ -125,6 +135,18 @@ def cmd_serve(args):
     server.stop(timeout=STOP_GRACE_S)
     mw.flush(timeout=FLUSH_S)
     return 0
+
+
+def _formats_arg(args):
+    """--formats as the middleware's option: the comma-separated text as
+    typed (errors show it), None when not given."""
+    if not args.formats:
+        return None
+    if not args.formats.replace(",", "").strip():
+        raise CliError("--formats names no format: give some of %s, "
+                       "e.g. --formats json,trace (default json)"
+                       % ", ".join(_formats()))
+    return args.formats
 
 
 def _blocking_ms(args):
@@ -170,8 +192,8 @@ def _adopt(mw, app, args):
                 ", ".join(k for _, k in refused)))
     if args.profile_dir is not None:
         outputs.writer = ProfileWriter(
-            args.profile_dir, args.formats.split(",") if args.formats
-            else ("json",), calls=cfg.calls)
+            args.profile_dir, config.check("formats", _formats_arg(args))
+            or ("json",), calls=cfg.calls)
     added = ["--profile-dir"] if args.profile_dir is not None else []
     inspector = mw.inspector
     if args.ui and inspector is None:
@@ -252,8 +274,8 @@ def cmd_view(args):
     except OSError as e:
         raise CliError("cannot read %s: %s" % (name, e.strerror))
     except ValueError as e:   # (also a NUL in the name)
-        raise CliError("%s is not a JSON profile (%s)"
-                       % (name, clean(str(e), 300)))
+        raise CliError(_several(name, str(e)) or "%s is not a JSON profile "
+                       "(%s)" % (name, clean(str(e), 300)))
     except MemoryError:
         raise CliError(_NO_MEMORY % name) from None
     try:
@@ -305,6 +327,20 @@ def cmd_view(args):
         except (OSError, ValueError):
             pass
     return 0
+
+
+def _several(name, error):
+    """The message for a file of several JSON documents, each starting a
+    line (json's "Extra data" at column 1), or None."""
+    m = re.search(r"Extra data: line (\d+) column 1 ", error)
+    if m is None or m.group(1) == "1":
+        return None   # (e.g. a log line's "2026-..." prefix: not JSON)
+    return ("%s holds several JSON documents%s: view takes one profile "
+            "file, like the .json files profile_dir writes (formats="
+            "[\"json\"]); save one %s to a file of its own to view it" % (
+                name, ", one per line (JSON lines, as json_logs logs them)"
+                if m.group(1) == "2" else "", "line (schema greqprof."
+                "request_profile/1)" if m.group(1) == "2" else "of them"))
 
 
 def _write_stdout(data):

@@ -94,13 +94,14 @@ class _Number(_Spec):
         self.lo, self.hi, self.integer = lo, hi, integer
         self.lo_open, self.off, self.zero_off = lo_open, off, zero_off
         kind = "an integer" if integer else "a number"
+        #: how the range says off (the CLI says it its way: name_flags)
+        self.off_doc = "None (%soff in the environment)" % (
+            "0 or " if zero_off else "")
         self.doc = "%s %s %s%s%s" % (
             kind, "above %s and at most" % _num(lo) if lo_open
             else "from %s to" % _num(lo), _num(hi),
             " %s" % unit if unit else "",
-            ", or None%s" % (" (0 or off in the environment)" if zero_off
-                             else " (off in the environment)") if off
-            else "")
+            ", or %s" % self.off_doc if off else "")
 
     def parse(self, raw):
         v = raw.strip()
@@ -278,6 +279,42 @@ class _Names(_Spec):
         return items
 
 
+class _Formats(_Names):
+    """Output format names: those greqprof.renderers knows, lower case."""
+
+    def __init__(self):
+        self.item = None
+
+    @property
+    def doc(self):
+        from .renderers import RENDERERS
+        return "a list of 1 to 32 of: %s (lower case)" % ", ".join(
+            sorted(RENDERERS))
+
+    def validate(self, value):
+        from .renderers import RENDERERS
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [x.strip() for x in value.split(",") if x.strip()]
+        try:
+            items = list(value)
+        except TypeError:
+            raise _Bad("") from None
+        if not items:
+            raise _Bad("empty (formats=None, the default, writes json; "
+                       "leave profile_dir unset to write no files)")
+        if len(items) > 32:
+            raise _Bad("%d names, more than 32" % len(items))
+        for x in items:
+            if not isinstance(x, str) or x not in RENDERERS:
+                near = isinstance(x, str) and x.strip().lower() in RENDERERS
+                raise _Bad("unknown format %s%s" % (
+                    _show(x, False), " (did you mean %r?)"
+                    % x.strip().lower() if near else ""))
+        return items
+
+
 class _Callable(_Spec):
     def __init__(self, doc, optional=True):
         self.doc, self.optional = doc, optional
@@ -342,9 +379,7 @@ VARIABLES = {
     "GREQPROF_LINGER": ("linger", _Number(0.0, 60.0, unit="seconds"), 1.0),
     "GREQPROF_LOGGER": ("logger", _Logger(), "greqprof"),
     "GREQPROF_PROFILE_DIR": ("profile_dir", _Path(), None),
-    "GREQPROF_FORMATS": ("formats", _Names(
-        "a list of format names", _Text("a format name", 32,
-                                        pattern=r"[a-z]+")), None),
+    "GREQPROF_FORMATS": ("formats", _Formats(), None),
     "GREQPROF_TRIGGER_HEADER": ("trigger_header", _Header(), None),
     "GREQPROF_TRIGGER_SECRET": ("trigger_secret", _Text(
         "a string of 8 to 1024 printable ASCII characters, no space at "
@@ -455,6 +490,27 @@ def name_source(error, sources):
     if missing:
         note += "; not set: %s" % ", ".join(missing)
     return ConfigError("%s (%s)" % (text, note))
+
+
+_QUOTED = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+
+
+def name_flags(error, flags, off=()):
+    """A ConfigError about options a command line set, with its flags
+    named instead (``flags``: option -> flag; ``off``: option -> the
+    flag's value that means off, said instead of None).  Quoted values
+    are left as they are."""
+    text = str(error)
+    if not flags:
+        return error
+    for opt, value in dict(off).items():
+        spec = OPTIONS[opt]
+        if text.startswith("%s must be %s" % (opt, spec.doc)):
+            text = text.replace(spec.off_doc, "%s (off)" % value, 1)
+    names = re.compile(r"(%s)|(?<![\w/.-])(%s)(?:=True)?(?![\w/.-])" % (
+        _QUOTED, "|".join(re.escape(o) for o in flags)))
+    text = names.sub(lambda m: m.group(1) or flags[m.group(2)], text)
+    return error if text == str(error) else ConfigError(text)
 
 
 #: variables used by tests and tools, not by the middleware

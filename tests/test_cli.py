@@ -317,14 +317,62 @@ def test_serve_bad_option(tmp_path):
           "unknown format 'bmp'")
 
 
+@pytest.mark.parametrize("args,needles", [
+    (["--formats", "json"], ["error: --formats needs --profile-dir\n"]),
+    (["--blocking-ms", "-5"], [
+        "error: --blocking-ms must be a number from 0.001 to 3600000 "
+        "milliseconds, or 0 (off), got -5.0\n"]),
+    (["--pct", "7"], ["error: --pct must be a number from 0 to 1"]),
+    (["--formats", "pstats", "--profile-dir", "{tmp}"], [
+        "error: --formats: 'pstats' needs function statistics; enable "
+        "--calls\n"]),
+    (["--formats", "JSON,trace", "--profile-dir", "{tmp}"], [
+        "error: --formats must be a list of 1 to 32 of: ",
+        "unknown format 'JSON' (did you mean 'json'?), got 'JSON,trace'\n"]),
+    (["--formats", " , ", "--profile-dir", "{tmp}"], [
+        "error: --formats names no format: give some of callgrind, "]),
+])
+def test_serve_errors_name_the_flags(tmp_path, args, needles):
+    """ConfigErrors said "formats needs profile_dir" or "blocking_ms ...
+    or None (0 or off in the environment)": flags the user never typed,
+    and a value the command line cannot take."""
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    args = [str(tmp_path / "out") if a == "{tmp}" else a for a in args]
+    r = cli("serve", "cli_test_app:app", "--port", "0", "--quiet", *args,
+            cwd=str(tmp_path), timeout=20)
+    fails(r, *needles)
+    err = r.stderr.decode()
+    assert len(err.splitlines()) == 1, err
+    assert "None" not in err and "blocking_ms" not in err, err
+    assert "profile_dir" not in err and "calls=" not in err, err
+
+
+@pytest.mark.parametrize("source,where,needle", [
+    ("def app(:\n", "cli_broken_app.py, line 1", "SyntaxError"),
+    ("import cli_broken_helper\napp = None\n",
+     "cli_broken_helper.py, line 2", "IndentationError"),
+])
+def test_serve_syntax_error_is_one_line(tmp_path, source, where, needle):
+    """A syntax error in the app's module (or one it imports) printed
+    importlib's whole traceback."""
+    (tmp_path / "cli_broken_app.py").write_text(source)
+    (tmp_path / "cli_broken_helper.py").write_text("def f():\nreturn 1\n")
+    r = cli("serve", "cli_broken_app:app", "--port", "0",
+            cwd=str(tmp_path), timeout=20)
+    fails(r, "error: cannot import module 'cli_broken_app': %s in "
+          % needle, str(tmp_path / where))
+    err = r.stderr.decode()
+    assert len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--port", "-1"], "--port"),
     (["--port", "65536"], "--port"),
     (["--port", "http"], "--port"),
     # (these used to serve with blocking reports silently off)
-    (["--port", "0", "--blocking-ms", "-5"], "blocking_ms must be"),
-    (["--port", "0", "--blocking-ms", "nan"], "blocking_ms must be"),
-    (["--port", "0", "--blocking-ms", "1e-9"], "blocking_ms must be"),
+    (["--port", "0", "--blocking-ms", "-5"], "--blocking-ms must be"),
+    (["--port", "0", "--blocking-ms", "nan"], "--blocking-ms must be"),
+    (["--port", "0", "--blocking-ms", "1e-9"], "--blocking-ms must be"),
 ])
 def test_serve_bad_number_is_one_line(tmp_path, args, needle):
     # (before: an OverflowError traceback from bind() for the ports)
@@ -406,7 +454,7 @@ def test_serve_shows_a_wrapped_apps_own_inspector(tmp_path, args):
     (["--pct", "0.5", "--blocking-ms", "0"],
      ["--pct and --blocking-ms cannot", "pct=0.5, blocking_ms=None"]),
     (["--formats", "json"], ["--formats needs --profile-dir"]),
-    (["--blocking-ms", "-5"], ["blocking_ms must be"]),
+    (["--blocking-ms", "-5"], ["--blocking-ms must be", "or 0 (off)"]),
 ])
 def test_serve_refuses_what_a_wrapped_app_fixes(tmp_path, args, needles):
     """Options that would change how the module's middleware profiles stop

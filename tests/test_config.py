@@ -653,3 +653,69 @@ def test_json_lines_parse_and_match_the_documented_schema(
     assert len(block["greenlets"]) == 2
     assert any(f["children"] for f in block["calls"])
     assert any(d["waiting"]["top"] for d in profiles.values())
+
+
+# ---------------------------------------------------------------------------
+# errors a newcomer reads
+
+@pytest.mark.parametrize("given", [["JSON"], "Trace", ["json", "nope"]])
+def test_bad_format_name_is_named_with_the_known_ones(given, tmp_path):
+    """formats=["JSON"] said only "must be a list of format names"."""
+    for where in ({}, {"profile_dir": str(tmp_path)}):
+        with pytest.raises(ConfigError) as e:
+            ProfilingMiddleware(app, environ={}, formats=given, **where)
+        text = str(e.value)
+        bad = [x for x in (given if isinstance(given, list) else [given])
+               if x != "json"][0]
+        assert text.startswith("formats must be a list of 1 to 32 of: ")
+        assert "unknown format %r" % bad in text, text
+        assert "json, offcpu, pprof, pstats" in text and "lower case" in text
+        if bad.lower() in ("json", "trace"):
+            assert "did you mean %r?" % bad.lower() in text, text
+    with pytest.raises(ConfigError) as e:
+        mw_from({"GREQPROF_FORMATS": "JSON",
+                 "GREQPROF_PROFILE_DIR": str(tmp_path)})
+    assert "GREQPROF_FORMATS='JSON'" in str(e.value)
+    assert "did you mean 'json'?" in str(e.value)
+
+
+def test_empty_formats_says_what_to_pass_instead(tmp_path):
+    """The docs give formats 1 to 32 names: [] is an error saying how to
+    get json files (formats=None) or none (no profile_dir)."""
+    for where in ({}, {"profile_dir": str(tmp_path)}):
+        with pytest.raises(ConfigError) as e:
+            ProfilingMiddleware(app, environ={}, formats=[], **where)
+        assert "formats must be" in str(e.value)
+        assert "empty (formats=None, the default, writes json; leave " \
+               "profile_dir unset to write no files), got []" \
+            in str(e.value), str(e.value)
+    assert formats(mw_from({}, profile_dir=str(tmp_path),
+                           formats=None)) == ["json"]
+
+
+def test_name_flags_names_the_command_lines_flags():
+    flags = {"blocking_ms": "--blocking-ms", "formats": "--formats",
+             "profile_dir": "--profile-dir", "calls": "--calls"}
+    off = {"blocking_ms": "0"}
+
+    def named(text):
+        return str(gconfig.name_flags(ConfigError(text), flags, off))
+
+    with pytest.raises(ConfigError) as e:
+        gconfig.check("blocking_ms", -5)
+    assert "or None (0 or off in the environment)" in str(e.value)
+    assert named(str(e.value)) == (
+        "--blocking-ms must be a number from 0.001 to 3600000 "
+        "milliseconds, or 0 (off), got -5")
+    assert named("formats needs profile_dir") == \
+        "--formats needs --profile-dir"
+    assert named("formats: 'pstats' needs function statistics; enable "
+                 "calls=True") == ("--formats: 'pstats' needs function "
+                                   "statistics; enable --calls")
+    # (quoted values and other options' messages are left as they are)
+    assert named("profile_dir '/tmp/formats' cannot be created: "
+                 "'/tmp/formats'") == ("--profile-dir '/tmp/formats' "
+                                       "cannot be created: '/tmp/formats'")
+    env = ("GREQPROF_STACK_HZ='x': must be a number from 0 to 1000, "
+           "or None (0 or off in the environment): not a number")
+    assert named(env) == env

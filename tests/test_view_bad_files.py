@@ -164,6 +164,23 @@ def test_view_refuses_other_greqprof_outputs(tmp_path):
         refused(view(p))
 
 
+def test_view_names_a_json_lines_file(tmp_path):
+    """json_logs output (one JSON object a line) was refused with json's
+    "Extra data: line 2 column 1"."""
+    line = json.dumps(good())
+    p = tmp_path / "greqprof.jsonl"
+    p.write_text(line + "\n" + line + "\n")
+    err = refused(view(p), "greqprof.jsonl holds several JSON documents, "
+                  "one per line (JSON lines, as json_logs logs them): view "
+                  "takes one profile file", 'formats=["json"]')
+    assert "Extra data" not in err
+    # (one line of it is a profile file; a log line's prefix is not JSON)
+    p.write_text(line + "\n")
+    assert view(p).returncode == 0
+    p.write_text("2026-12-04 04:44:47,962 INFO [greqprof] " + line + "\n")
+    refused(view(p), "is not a JSON profile (not valid JSON: Extra data")
+
+
 def test_load_refuses_bad_bytes(tmp_path):
     for label, raw in BAD_BYTES:
         p = tmp_path / "bad.json"
