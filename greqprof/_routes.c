@@ -36,6 +36,9 @@ typedef struct {
     PyObject *namer;      /* environ -> route name (Python) */
     PyObject *getcurrent;
     PyObject *metrics_path, *metrics_app;   /* metrics_path, or NULL */
+    PyObject *ticker;     /* called once a second by requests' ends, or
+                             NULL (set_ticker) */
+    int64_t tick_due;     /* CLOCK_MONOTONIC ns of the next call */
     rt_cell *cells;       /* cells[0] is "<other>" */
     Py_ssize_t ncells, cap, max_routes;
     uint64_t overflowed, namer_errors;
@@ -399,6 +402,7 @@ static int rt_traverse(gqp_rt *rt, visitproc visit, void *arg)
     Py_VISIT(rt->getcurrent);
     Py_VISIT(rt->metrics_path);
     Py_VISIT(rt->metrics_app);
+    Py_VISIT(rt->ticker);
     return 0;
 }
 
@@ -411,6 +415,7 @@ static int rt_clear(gqp_rt *rt)
     Py_CLEAR(rt->getcurrent);
     Py_CLEAR(rt->metrics_path);
     Py_CLEAR(rt->metrics_app);
+    Py_CLEAR(rt->ticker);
     return 0;
 }
 
@@ -525,6 +530,20 @@ static PyObject *rt_set_metrics(gqp_rt *rt, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* set_ticker(fn or None): fn() is called by the end of a request at
+ * most once a second (the routes summary and the metrics sync of a
+ * middleware that has no drain loop: no hooks, nothing sampled). */
+static PyObject *rt_set_ticker(gqp_rt *rt, PyObject *fn)
+{
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_ticker: fn is not callable");
+        return NULL;
+    }
+    Py_XSETREF(rt->ticker, fn == Py_None ? NULL : Py_NewRef(fn));
+    rt->tick_due = rt_now() + 1000000000;
+    Py_RETURN_NONE;
+}
+
 static PyObject *rt_admits_py(gqp_rt *rt, PyObject *route)
 {
     if (!PyUnicode_Check(route)) {
@@ -567,6 +586,8 @@ static PyMethodDef rt_methods[] = {
      "is full without it)."},
     {"set_metrics", (PyCFunction)rt_set_metrics, METH_VARARGS,
      "set_metrics(path, app): serves that path with app, uncounted."},
+    {"set_ticker", (PyCFunction)rt_set_ticker, METH_O,
+     "set_ticker(fn): fn() at most once a second, at a request's end."},
     {"record", (PyCFunction)rt_record_py, METH_VARARGS,
      "record(route, status, error, wall): counts one request."},
     {NULL, NULL, 0, NULL},
@@ -658,9 +679,27 @@ static int rtw_finish(gqp_rtw *w, int close, int late)
         }
     }
     if (route) {
+        int64_t now = rt_now();
         rt_record(w->rt, route, w->unsent_error ? 0 : w->status, w->error,
-                  (double)(rt_now() - w->t0) / 1e9);
+                  (double)(now - w->t0) / 1e9);
         Py_DECREF(route);
+        /* (not from a finalizer: the collector may be running) */
+        if (w->rt->ticker && now >= w->rt->tick_due && !late) {
+            w->rt->tick_due = now + 1000000000;
+            PyObject *fn = Py_NewRef(w->rt->ticker);
+            PyObject *r = PyObject_CallNoArgs(fn);
+            Py_DECREF(fn);
+            Py_XDECREF(r);
+            /* (its Exceptions are its own; a kill of this greenlet while
+             * a log handler waited goes on, after the app's own error) */
+            PyObject *e = r ? NULL : PyErr_GetRaisedException();
+            if (e && !exc &&
+                !PyErr_GivenExceptionMatches(e, PyExc_Exception)) {
+                exc = e;
+            } else {
+                Py_XDECREF(e);
+            }
+        }
     }
     Py_CLEAR(w->environ);
     Py_CLEAR(w->start_response);

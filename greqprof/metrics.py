@@ -36,6 +36,35 @@ def _bucket_map():
     return out
 
 
+#: the metrics every middleware of the process adds to, in multiprocess
+#: mode
+_shared = {}
+_shared_lock = threading.Lock()
+
+
+def _new_metrics(pc, r):
+    return dict(
+        registry=r,
+        requests=pc.Counter(
+            "greqprof_requests", "Requests by route and status class",
+            ["route", "status"], registry=r),
+        duration=pc.Histogram(
+            "greqprof_request_duration_seconds",
+            "Wall time of requests by route", ["route"], buckets=BUCKETS,
+            registry=r),
+        cpu=pc.Summary(
+            "greqprof_request_cpu_seconds",
+            "CPU time of the sampled requests by route (count: sampled "
+            "requests)", ["route"], registry=r),
+        blocking=pc.Counter(
+            "greqprof_blocking", "Blocking events by route", ["route"],
+            registry=r),
+        blocked=pc.Counter(
+            "greqprof_blocked_seconds",
+            "Seconds the event loop was held, all blocking events",
+            registry=r))
+
+
 class Metrics:
     """The metrics of one middleware's aggregates, and the WSGI app that
     serves them (``gate(environ)``: the inspector's access rule)."""
@@ -53,26 +82,24 @@ class Metrics:
         self._lock = threading.Lock()
         self._map = _bucket_map()
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        self.registry = pc.CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = pc.Counter(
-            "greqprof_requests", "Requests by route and status class",
-            ["route", "status"], registry=r)
-        self.duration = pc.Histogram(
-            "greqprof_request_duration_seconds",
-            "Wall time of requests by route", ["route"], buckets=BUCKETS,
-            registry=r)
-        self.cpu = pc.Summary(
-            "greqprof_request_cpu_seconds",
-            "CPU time of the sampled requests by route (count: sampled "
-            "requests)", ["route"], registry=r)
-        self.blocking = pc.Counter(
-            "greqprof_blocking", "Blocking events by route", ["route"],
-            registry=r)
-        self.blocked = pc.Counter(
-            "greqprof_blocked_seconds",
-            "Seconds the event loop was held, all blocking events",
-            registry=r)
+        if self.multiprocess:
+            # (one set of metrics a process: prometheus_client keeps one
+            # value per series in this process's files, and two objects of
+            # one series each wrote their own count over the other's)
+            with _shared_lock:
+                if not _shared:
+                    _shared.update(_new_metrics(pc, pc.CollectorRegistry(
+                        auto_describe=True)))
+                metrics = dict(_shared)
+        else:
+            metrics = _new_metrics(pc, pc.CollectorRegistry(
+                auto_describe=True))
+        self.registry = metrics["registry"]
+        self.requests = metrics["requests"]
+        self.duration = metrics["duration"]
+        self.cpu = metrics["cpu"]
+        self.blocking = metrics["blocking"]
+        self.blocked = metrics["blocked"]
         # (read since the last sync, so that only what changed costs:
         # once a second, a table of thousands of mostly idle routes)
         self._known = {}         # raw route -> its requests at the last sync

@@ -33,9 +33,12 @@ def _after_fork_in_child():
         mw._open = 0
         mw.pid = os.getpid()  # (a system call: not made per profile)
         mw._disarm()
-        routes_ = getattr(mw, "_routes", None)   # (None: init failed)
-        if routes_ is not None:
-            routes_.after_fork()
+        if getattr(mw, "_routes", None) is not None:   # (None: init failed)
+            try:
+                mw._new_routes()
+            except Exception as e:
+                mw._routes.after_fork()   # (the parent's counts, usable)
+                mw._internal_error("routes", e)
 
 
 if hasattr(os, "register_at_fork"):
@@ -232,34 +235,51 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             # -- per-route aggregates of every request (docs/fleet.md) -------
             config.check("route", route)
             self._route_names = {}   # raw route -> its name (sampled)
-            self._routes = routes.RouteAggregates(
-                _registry.RouteCounts, config.check(
-                    "max_routes", opts["max_routes"]), route)
+            self._route_opts = (route, config.check(
+                "max_routes", opts["max_routes"]))
             # (Flask's matched url_rule names its requests when Flask is
             # imported by then, as with app.wsgi_app = ...(app.wsgi_app))
             routes.install_flask_hook()
-            self._routes_setup(self._routes.counts)
             if self.inspector is not None:
-                self.inspector.routes = self._routes
                 self.inspector.stack_hz = self._stack_hz
             self.metrics = None
+            self._metrics_gate = None
             self.metrics_path = metrics_path
             if metrics_path is not None:
                 from .inspector import Inspector
-                from .metrics import Metrics
-                gate = Inspector(metrics_path, ui_allow=ui_allow,
-                                 ui_token=ui_token, ui_keep=1,
-                                 ui_hosts=ui_hosts)
-                self.metrics = Metrics(self._routes, gate.allowed)
-                self._routes.counts.set_metrics(gate.path, self.metrics)
+                self._metrics_gate = Inspector(
+                    metrics_path, ui_allow=ui_allow, ui_token=ui_token,
+                    ui_keep=1, ui_hosts=ui_hosts)
             self.summary_s = config.check("summary_s", opts["summary_s"])
-            self._summary_next = _monotonic() + (self.summary_s or 0)
-            self._summary_seen = 0
+            self._new_routes()
 
         try:
             configure()
         except ConfigError as e:
             raise config.name_source(e, sources) from None
+
+    def _new_routes(self):
+        """Empty per-route aggregates (and their metrics) in place of any
+        before: at start, and in a forked child, whose counts are its own
+        (the parent's stay the parent's to report and to export)."""
+        route, max_routes = self._route_opts
+        self._routes = routes.RouteAggregates(_registry.RouteCounts,
+                                              max_routes, route)
+        self._routes_setup(self._routes.counts)
+        if self.inspector is not None:
+            self.inspector.routes = self._routes
+        if self._metrics_gate is not None:
+            from .metrics import Metrics
+            gate = self._metrics_gate
+            self.metrics = Metrics(self._routes, gate.allowed)
+            self._routes.counts.set_metrics(gate.path, self.metrics)
+        self._summary_next = _monotonic() + (self.summary_s or 0)
+        self._summary_seen = 0
+        # (until a drain loop ticks for it: _join; without hooks and
+        # samples, the ends of requests do, at most once a second)
+        self._ticking = bool(self.summary_s or self.metrics is not None)
+        if self._ticking:
+            self._routes.counts.set_ticker(self._routes_tick)
 
     @property
     def max_lifetime(self):
@@ -541,6 +561,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if (self.config.blocking_ns or self.summary_s or self.metrics) \
                 and not eng.drain_started:
             loops.start_drain_loop(self, eng)
+        if eng.drain_started and self._ticking:
+            self._ticking = False
+            self._routes.counts.set_ticker(None)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
         if self._stack_hz and eng not in sampler.watched:

@@ -196,3 +196,131 @@ def test_a_worker_that_exits_keeps_its_last_counts(tmp_path, how):
     got = registry.get_sample_value(
         "greqprof_requests_total", {"route": "/items/{id}", "status": "2xx"})
     assert got == 14.0
+
+
+_FORKING_WORKER = r'''
+import json, os, sys, urllib.request
+import gevent
+from gevent import pywsgi
+from greqprof import ProfilingMiddleware
+
+def app(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+mw = ProfilingMiddleware(app, pct=0.0, metrics_path="/_greqprof/metrics",
+                         summary_s=None, stack_hz=0)
+server = pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None)
+server.start()
+url = "http://127.0.0.1:%d/items/%%d" % server.server_port
+
+def serve(n):
+    for i in range(n):
+        gevent.get_hub().threadpool.apply(
+            lambda i=i: urllib.request.urlopen(url % i).read())
+
+def counted():
+    return {r["route"]: r["requests"] for r in mw.routes()}
+
+serve(5)   # (the parent's, not yet synced to prometheus_client)
+r, w = os.pipe()
+pid = gevent.fork()
+if pid == 0:
+    seen = counted()
+    serve(2)
+    mw.flush()
+    body = mw.metrics.exposition()[1].decode()
+    os.write(w, json.dumps([seen, counted(), body]).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 1 << 20))
+os.waitpid(pid, 0)
+serve(1)
+server.stop()
+mw.flush()
+print(json.dumps([child, counted()]))
+'''
+
+
+@pytest.mark.parametrize("multiproc", [True, False])
+def test_a_forked_child_counts_only_its_own_requests(tmp_path, multiproc):
+    """A child forked after its parent served requests starts with no
+    counts: its routes() and its metrics hold its own requests, and under
+    PROMETHEUS_MULTIPROC_DIR every request is counted once across both
+    processes.  (Before: the child's routes() started with the parent's 5,
+    and their sync to its own files counted them a second time.)"""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, multiprocess
+    script = tmp_path / "worker.py"
+    script.write_text(_FORKING_WORKER)
+    env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    mp = tmp_path / "multiproc"
+    if multiproc:
+        mp.mkdir()
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(mp)
+    out = subprocess.run([sys.executable, str(script)], env=env, check=True,
+                         timeout=60, capture_output=True, text=True).stdout
+    (seen, child, body), parent = json.loads(out)
+    assert seen == {}
+    assert child == {"/items/{id}": 2}
+    assert parent == {"/items/{id}": 6}
+    line = 'greqprof_requests_total{route="/items/{id}",status="2xx"}'
+    if multiproc:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(mp))
+        got = registry.get_sample_value(
+            "greqprof_requests_total",
+            {"route": "/items/{id}", "status": "2xx"})
+        assert got == 8.0
+    else:
+        assert line + " 2.0" in body.splitlines()
+
+
+_TWO_MIDDLEWARES = r'''
+import sys, urllib.request
+import gevent
+from gevent import pywsgi
+from greqprof import ProfilingMiddleware
+
+def app(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+mws = [ProfilingMiddleware(app, pct=0.0, metrics_path="/_greqprof/metrics",
+                           summary_s=None, stack_hz=0) for _ in range(2)]
+servers = [pywsgi.WSGIServer(("127.0.0.1", 0), mw, log=None) for mw in mws]
+for server in servers:
+    server.start()
+# (each synced between the other's: both hold the series' value)
+for k, n in ((0, 3), (1, 4), (0, 2)):
+    url = "http://127.0.0.1:%d/items/%%d" % servers[k].server_port
+    for i in range(n):
+        gevent.get_hub().threadpool.apply(
+            lambda i=i: urllib.request.urlopen(url % i).read())
+    mws[k].flush()
+'''
+
+
+def test_two_middlewares_in_one_process_add_up(tmp_path):
+    """Under PROMETHEUS_MULTIPROC_DIR, two middlewares with metrics_path in
+    one process add their counts to one set of metrics (prometheus_client
+    keeps one value per series in a process's files).  (Before: each wrote
+    its own count over the other's: 5 of 9.)"""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, multiprocess
+    mp = tmp_path / "multiproc"
+    mp.mkdir()
+    script = tmp_path / "two.py"
+    script.write_text(_TWO_MIDDLEWARES)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp))
+    subprocess.run([sys.executable, str(script)], env=env, check=True,
+                   timeout=60)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(mp))
+    labels = {"route": "/items/{id}", "status": "2xx"}
+    assert registry.get_sample_value("greqprof_requests_total",
+                                     labels) == 9.0
+    assert registry.get_sample_value(
+        "greqprof_request_duration_seconds_count",
+        {"route": "/items/{id}"}) == 9.0

@@ -410,6 +410,36 @@ def test_summary_is_logged_by_the_drain_loop(serve, caplog):
                              for r in caplog.records), what="a summary")
 
 
+def test_summary_and_metrics_without_hooks_tick_at_requests_ends(serve,
+                                                                  caplog):
+    """No blocking detection, no stack sampler, nothing sampled: no hook,
+    no engine, so no drain loop.  The ends of requests tick instead, at
+    most once a second: the summary is logged and the counts reach
+    prometheus_client without a scrape.  (Before: never logged.)"""
+    need_module("prometheus_client")
+    import greenlet
+    from greqprof import engine
+    log = "greqprof.test_summary3"
+    with caplog.at_level(logging.INFO, logger=log):
+        s = serve(app_of_paths, pct=0.0, report=False, summary_s=0.5,
+                  blocking_ms=None, stack_hz=0, logger=log,
+                  metrics_path="/_greqprof/metrics")
+        s.get("/items/1")
+        gevent.sleep(1.1)
+        s.get("/items/2")
+        assert engine.current_engine() is None
+        assert greenlet.gettrace() is None
+        lines = [r.getMessage() for r in caplog.records if r.name == log]
+        assert len(lines) == 1 and "greqprof routes" in lines[0], lines
+        assert "/items/{id}" in lines[0]
+        got = s.mw.metrics.registry.get_sample_value(
+            "greqprof_requests_total",
+            {"route": "/items/{id}", "status": "2xx"})
+        assert got == 2.0
+        s.get("/items/3")   # (within the second: no tick)
+        assert len([r for r in caplog.records if r.name == log]) == 1
+
+
 def test_set_route_bounds_what_no_request_takes():
     routes._named.clear()
     for _ in range(3):
