@@ -583,6 +583,7 @@ static PyObject *routes_call(gqp_mw *mw, PyObject *environ,
                              PyObject *start_response);
 static PyObject *mw_routes_setup(gqp_mw *self, PyObject *arg);
 static void routes_slow(PyObject *start_response);
+static PyObject *rt_mounted_route(PyObject *routes, PyObject *environ);
 static int gqp_py_routes_init(PyObject *reg);
 
 static PyObject *str_call_slow, *str_pct, *str_requests, *str_mark_key,
@@ -1039,6 +1040,12 @@ static uint64_t note_unsampled(gqp_mw *self, gqp_py_thread *st,
         Py_XDECREF(p);
         Py_XDECREF(r);
         err_clear();
+        /* (a mounted app: its path route, known now, not PATH_INFO's) */
+        PyObject *mounted = rt_mounted_route(self->routes, environ);
+        if (mounted) {
+            note_name(st, gid, mounted);
+            Py_DECREF(mounted);
+        }
     }
     return gid;
 }

@@ -626,6 +626,46 @@ static PyTypeObject gqp_rt_type = {
     .tp_getset = rt_getset,
 };
 
+/* The path route of a request to an app mounted under a SCRIPT_NAME
+ * (SCRIPT_NAME + PATH_INFO, ids as {id}, through the cache), else NULL:
+ * what routes() counts it under unless the app names it, for the stack
+ * sampler and the blocking events meanwhile, which only see PATH_INFO.
+ * Not an error (a non-ASCII path: the Python namer's, left to the end). */
+static PyObject *rt_mounted_route(PyObject *routes, PyObject *environ)
+{
+    gqp_rt *rt = (gqp_rt *)routes;
+    if (!rt || !PyDict_CheckExact(environ)) {
+        return NULL;
+    }
+    PyObject *script = PyDict_GetItemWithError(environ, str_rt_script);
+    if (!script || !PyUnicode_CheckExact(script) ||
+        PyUnicode_GET_LENGTH(script) == 0) {
+        err_clear();
+        return NULL;
+    }
+    PyObject *path = PyDict_GetItemWithError(environ, str_path_key);
+    PyObject *full = path && PyUnicode_CheckExact(path)
+                         ? PyUnicode_Concat(script, path)
+                         : Py_NewRef(script);
+    PyObject *v = full ? PyDict_GetItemWithError(rt->cache, full) : NULL;
+    if (v) {
+        Py_INCREF(v);
+    } else if (full && !PyErr_Occurred()) {
+        v = rt_path_route(full);
+        if (v && PyUnicode_GET_LENGTH(full) <= RT_CACHE_PATH) {
+            if (PyDict_GET_SIZE(rt->cache) >= RT_CACHE_MAX) {
+                PyDict_Clear(rt->cache);
+            }
+            if (PyDict_SetItem(rt->cache, full, v) < 0) {
+                err_clear();
+            }
+        }
+    }
+    Py_XDECREF(full);
+    err_clear();
+    return v;
+}
+
 /* ---- the request's wrapper ------------------------------------------------ */
 
 /* Names and counts the request (once), the app's error kept as it is.

@@ -1285,6 +1285,9 @@ static gqp_req *open_request(gqp_mw *self, gqp_py_thread *st,
     PyErr_Clear();
     req->method = environ_str(environ, str_method_key, GQP_NOTE_MAX_METHOD);
     req->path = environ_str(environ, str_path_key, GQP_NOTE_MAX_PATH);
+    /* (mounted: named by SCRIPT_NAME + PATH_INFO, as routes() counts it,
+     * until the app names it) */
+    req->stack_route = rt_mounted_route(self->routes, environ);
     req->profile = sampled ? profref_make(self->profile_type, self->max_spans,
                                           self->call_clock)
                            : Py_NewRef(Py_None);

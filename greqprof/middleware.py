@@ -45,6 +45,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _mounted_route(environ):
+    """The path route of a request to an app mounted under a SCRIPT_NAME
+    (SCRIPT_NAME + PATH_INFO), else None."""
+    root = environ.get("SCRIPT_NAME")
+    if type(root) is not str or not root:
+        return None
+    try:
+        return routes.RouteNamer.path_name(environ)
+    except Exception:   # (odd environ values: PATH_INFO's route stays)
+        return None
+
+
 #: _begin's answer for a request to the inspector's own pages
 _INSPECTOR = object()
 
@@ -550,6 +562,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                            environ.get("REQUEST_METHOD"),
                            environ.get("PATH_INFO"),
                            environ.get("HTTP_X_REQUEST_ID"), self)
+            name = _mounted_route(environ)   # (as the C path does)
+            if name is not None:
+                _registry.sampler_name(name)
 
     def _join(self, eng):
         """This thread's engine serves this middleware: registered with it,

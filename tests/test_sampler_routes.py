@@ -330,3 +330,42 @@ def test_a_mounted_flask_apps_samples_carry_the_mount(fresh_sampler):
     burning = burning_routes()
     assert set(burning) == {"/shop/items/<int:item_id>"}, burning
     assert set(burning) <= {r["route"] for r in mw.routes()}
+
+
+@pytest.mark.parametrize("pct", [0.0, 1.0], ids=["unsampled", "sampled"])
+def test_a_mounted_plain_apps_samples_and_blocking_carry_the_mount(
+        fresh_sampler, pct):
+    """Without a framework's template, a request under SCRIPT_NAME is
+    counted by routes() under SCRIPT_NAME + PATH_INFO: its stack samples
+    and its blocking events are too, from its start.  (Before: samples
+    under "/items/{id}", a route routes() never had, and blocking events
+    counted under it.)"""
+    import time
+
+    def plain(environ, start_response):
+        if environ["PATH_INFO"].startswith("/hold/"):
+            time.sleep(0.06)   # (holds the loop: a blocking event)
+        else:
+            burn_cpu(20)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+    mw = ProfilingMiddleware(plain, pct=pct, report=False, stack_hz=HZ,
+                             blocking_ms=20, linger=0)
+
+    def mounted(environ, start_response):
+        environ["SCRIPT_NAME"] = "/shop"
+        return mw(environ, start_response)
+    srv = pywsgi.WSGIServer(("127.0.0.1", 0), mounted, log=None)
+    srv.start()
+    try:
+        load([srv.server_port], ["/items/%d"] * 5 + ["/hold/%d"], clients=2)
+        wait_for(lambda: {r["route"]: r["blocking"] for r in mw.routes()}
+                 .get("/shop/hold/{id}", 0) >= 2, 10, "2 blocking events")
+    finally:
+        srv.stop(timeout=2)
+        reset_greqprof([mw])
+    burning = burning_routes()
+    assert set(burning) == {"/shop/items/{id}"}, burning
+    records = {r["route"]: r for r in mw.routes()}
+    assert set(records) == {"/shop/items/{id}", "/shop/hold/{id}"}, records
+    assert records["/shop/hold/{id}"]["blocking"] == 2
