@@ -581,7 +581,9 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._routes.counts.set_ticker(None)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
-        if self._stack_hz and eng not in sampler.watched:
+        # (a second middleware asking more often raises the rate)
+        if self._stack_hz and (eng not in sampler.watched or
+                               self._stack_hz > sampler.rate()):
             try:
                 sampler.watch(eng, self._stack_hz)
             except Exception as e:   # (never the request's problem)

@@ -72,6 +72,11 @@ class _Table:
         self.frame_ids = {}       # (code address, line) -> frame id
         self.routes = {}          # path -> route (cache)
         self.names = {}           # name the app gave -> cleaned (cache)
+        # (the rate may rise: samples are weighed by the period they were
+        # taken at) key -> ns of its samples before the last change, and
+        # key -> its samples then
+        self.ns_before = {}
+        self.counted = {}
         self.start_ns = time.time_ns()
         _registry.sampler_setup(self.counts, self.ids, self.stacks,
                                 self.frames, self.frame_ids, self.routes,
@@ -96,9 +101,29 @@ def watch(eng, hz):
             _registry.sampler_watch(eng.tracer.hooks_addr,
                                     eng.profile_requests)
         if hz > _state["hz"]:
+            if _state["hz"]:
+                _rate_changes(int(1e9 / _state["hz"]))
             _state["hz"] = hz
             start, _ = _real_start()
             start(_run, (int(1e9 / hz),))
+
+
+def rate():
+    """Samples per second now (0: the sampler is off)."""
+    return _state["hz"]
+
+
+def _rate_changes(old_period_ns):
+    """(the rate rises) What was counted so far is worth old_period_ns a
+    sample.  (Samples the old loop takes before it sees the change, at
+    most one tick, count at the new period.)"""
+    t = _table
+    now = dict(t.counts)
+    for key, n in now.items():
+        d = n - t.counted.get(key, 0)
+        if d:
+            t.ns_before[key] = t.ns_before.get(key, 0) + d * old_period_ns
+    t.counted = now
 
 
 def period_ns():
@@ -154,6 +179,12 @@ def samples(route=None):
     """[(route, ((function, file, line), ...) leaf first, count)] of the
     samples so far (a stack of ``()`` is one that was not kept); only
     those of ``route`` when given."""
+    return [s[:3] for s in _samples(route)]
+
+
+def _samples(route, period_ns=0):
+    """samples(route), each with its nanoseconds last: its count at the
+    period each sample was taken at (period_ns: the current one)."""
     if route is not None and not isinstance(route, str):
         raise TypeError("route must be a str or None, got %s"
                         % type(route).__name__)
@@ -161,14 +192,17 @@ def samples(route=None):
     counts = dict(t.counts)
     stacks = t.stacks[:]
     frames = t.frames[:]
+    before, counted = t.ns_before, t.counted
     named = {}
     out = []
-    for (r, sid), n in counts.items():
+    for key, n in counts.items():
+        r, sid = key
         if route is not None and r != route:
             continue
         ids = array.array("I", stacks[sid] if 0 <= sid < len(stacks)
                           else b"")
-        out.append((r, tuple(_frame(frames, i, named) for i in ids), n))
+        ns = before.get(key, 0) + (n - counted.get(key, 0)) * period_ns
+        out.append((r, tuple(_frame(frames, i, named) for i in ids), n, ns))
     return out
 
 
@@ -195,7 +229,8 @@ def _period(period_ns):
 def pprof_bytes(period_ns, route=None):
     """(gzipped pprof profile of the samples so far, or of ``route``'s
     only; the number of samples in it): sample types samples/count and
-    cpu/nanoseconds (count x period_ns), a ``route`` label on each."""
+    cpu/nanoseconds (count x the period each was taken at, period_ns
+    now), a ``route`` label on each."""
     period_ns = _period(period_ns)
     b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")],
                        default_type="cpu", period_type=("cpu", "nanoseconds"),
@@ -205,7 +240,7 @@ def pprof_bytes(period_ns, route=None):
                            "" if route is None else " of one route")])
     total = 0
     other_fn = None
-    for r, frames, n in samples(route):
+    for r, frames, n, ns in _samples(route, period_ns):
         if frames:
             locs = [b.location(b.function(name, file), line)
                     for name, file, line in frames]
@@ -213,7 +248,7 @@ def pprof_bytes(period_ns, route=None):
             if other_fn is None:
                 other_fn = b.function(OTHER)
             locs = [b.location(other_fn)]
-        b.sample(locs, [n, n * period_ns], labels={"route": r})
+        b.sample(locs, [n, ns], labels={"route": r})
         total += n
     return b.to_bytes(), total
 
@@ -246,8 +281,8 @@ def speedscope(period_ns, route=None):
     """The samples so far (or ``route``'s only) as a speedscope document
     (a dict; https://www.speedscope.app opens it as a flame graph): one
     ``sampled`` profile whose stacks are root first, weighed in
-    nanoseconds (count x period_ns).  Without ``route``, each stack's
-    root is a frame naming its route."""
+    nanoseconds (count x the period each was taken at).  Without
+    ``route``, each stack's root is a frame naming its route."""
     period_ns = _period(period_ns)
     frames, index = [], {}
 
@@ -263,14 +298,15 @@ def speedscope(period_ns, route=None):
             frames.append(fr)
         return i
     stacks, weights = [], []
-    for r, stack, n in sorted(samples(route), key=lambda x: (x[0], -x[2])):
+    for r, stack, n, ns in sorted(_samples(route, period_ns),
+                                  key=lambda x: (x[0], -x[2])):
         ids = [frame(f, clean(f[0]), clean(f[1]), f[2])
                for f in reversed(stack)] or \
             [frame(OTHER, OTHER)]
         if route is None:
             ids.insert(0, frame(("route", r), "route " + r))
         stacks.append(ids)
-        weights.append(n * period_ns)
+        weights.append(ns)
     total = sum(weights)
     name = "greqprof stack samples" + ("" if route is None else
                                        " of route " + route)

@@ -369,3 +369,38 @@ def test_a_mounted_plain_apps_samples_and_blocking_carry_the_mount(
     records = {r["route"]: r for r in mw.routes()}
     assert set(records) == {"/shop/items/{id}", "/shop/hold/{id}"}, records
     assert records["/shop/hold/{id}"]["blocking"] == 2
+
+
+def test_a_second_middleware_raises_the_rate_and_weights_stay_true(
+        server, fresh_sampler, tmp_path, pprof_tool):
+    """Two middlewares with different stack_hz served by one thread: the
+    higher rate applies once the second one serves, and the pprof's
+    cpu/nanoseconds weighs each sample by the period it was taken at.
+    (Before: the thread stayed at the first rate, and every sample was
+    weighed by the current period.)"""
+    def burner(environ, start_response):
+        burn_cpu(20)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+    mw1, port1 = server(burner, stack_hz=50)
+    load([port1], ["/a/%d"] * 5, clients=2)
+    assert sampler.rate() == 50
+    mw2, port2 = server(burner, stack_hz=400)
+    load([port2], ["/b/%d"] * 5, clients=2)
+    assert sampler.rate() == 400
+    sampler.stop()
+    path = tmp_path / "stacks.pb.gz"
+    n = mw2.write_pprof(path)
+    raw = Raw(pprof_tool(path, "-raw"))
+    count = sum(values[0] for values, _names, _labels in raw.stacks())
+    cpu = sum(values[1] for values, _names, _labels in raw.stacks())
+    assert count == n > 0
+    fast, slow = int(1e9 / 400), int(1e9 / 50)
+    # /a/'s samples were all taken at 50 Hz (20 ms each), /b/'s at 400 Hz
+    # (2.5 ms each, but for a tick at most when the rate changed)
+    a = [v for v, _n, lab in raw.stacks() if lab.get("route") == "/a/{id}"]
+    b = [v for v, _n, lab in raw.stacks() if lab.get("route") == "/b/{id}"]
+    assert a and b
+    assert all(v[1] == v[0] * slow for v in a), a
+    assert sum(v[1] for v in b) <= sum(v[0] for v in b) * fast + slow
+    assert fast * count < cpu <= slow * count
