@@ -540,7 +540,7 @@ static PyObject *rt_set_ticker(gqp_rt *rt, PyObject *fn)
         return NULL;
     }
     Py_XSETREF(rt->ticker, fn == Py_None ? NULL : Py_NewRef(fn));
-    rt->tick_due = rt_now() + 1000000000;
+    rt->tick_due = rt_now();   /* (the first request's end calls it) */
     Py_RETURN_NONE;
 }
 

@@ -88,6 +88,40 @@ def drain_loop(mw_ref, ref):
         del eng, mw   # (not held while suspended)
 
 
+def start_ticker(mw):
+    """ticker_loop for mw, spawned from the hub so that it belongs to no
+    request."""
+    import gevent
+    gevent.get_hub().loop.run_callback(gevent.spawn, ticker_loop,
+                                       weakref.ref(mw))
+
+
+def ticker_loop(mw_ref):
+    """The routes' tick (summary, metrics sync, recent window) of a
+    middleware no drain loop ticks, once a second while its requests run;
+    it ends a second after the last one, once their summary is logged.
+    A drain loop that ticks meanwhile is left to it."""
+    import gevent
+    seen = None
+    while True:
+        mw = mw_ref()
+        if mw is None:
+            return
+        n = mw._routes.counts.requests
+        if n == seen and (not mw.summary_s or mw._summary_seen == n):
+            mw._ticker_at = -1e9   # (the next request starts another)
+            return
+        seen = n
+        mw._ticker_at = _monotonic()
+        if mw._ticker_at - mw._ticked_at >= 0.9:
+            try:
+                mw._routes_tick()
+            except Exception as e:
+                mw._internal_error("summary", e)
+        del mw   # (not held while suspended)
+        gevent.sleep(1.0, ref=False)
+
+
 def start_reaper(mw, eng):
     eng.reaper_started = True
     try:

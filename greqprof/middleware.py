@@ -287,11 +287,11 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             self._routes.counts.set_metrics(gate.path, self.metrics)
         self._summary_next = _monotonic() + (self.summary_s or 0)
         self._summary_seen = 0
-        # (until a drain loop ticks for it: _join; without hooks and
-        # samples, the ends of requests do, at most once a second)
-        self._ticking = bool(self.summary_s or self.metrics is not None)
-        if self._ticking:
-            self._routes.counts.set_ticker(self._routes_tick)
+        # (where no drain loop ticks: no hooks, nothing sampled, or its
+        # thread gone; see _tick_soon)
+        self._ticked_at = self._ticker_at = -1e9
+        if self.summary_s or self.metrics is not None:
+            self._routes.counts.set_ticker(self._tick_soon)
 
     @property
     def max_lifetime(self):
@@ -576,9 +576,6 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         if (self.config.blocking_ns or self.summary_s or self.metrics) \
                 and not eng.drain_started:
             loops.start_drain_loop(self, eng)
-        if eng.drain_started and self._ticking:
-            self._ticking = False
-            self._routes.counts.set_ticker(None)
         if not eng.reaper_started:
             loops.start_reaper(self, eng)
         # (a second middleware asking more often raises the rate)
@@ -636,9 +633,25 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         fleet.md says how)."""
         return self._routes.to_records(window)
 
+    def _tick_soon(self):
+        """(C calls it at the end of a request, at most once a second) When
+        no drain loop ticked lately, a greenlet of the hub's (no
+        request's) ticks once a second while requests run and until their
+        summary is logged (loops.ticker_loop).  Nothing of it runs in the
+        request: a log handler that waits would make it wait."""
+        now = _monotonic()
+        if now - self._ticked_at < 2.0 or now - self._ticker_at < 3.0:
+            return
+        self._ticker_at = now
+        try:
+            loops.start_ticker(self)
+        except Exception as e:
+            self._internal_error("summary", e)
+
     def _routes_tick(self, now=None):
         """(the drain loop calls it once a second) Logs the routes summary
         when summary_s has passed and requests ran since the last one."""
+        self._ticked_at = _monotonic()
         try:
             self._routes.tick(now)   # (the recent window's snapshots)
         except Exception as e:
@@ -650,6 +663,13 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
                 self._internal_error("metrics", e)
         if not self.summary_s:
             return
+        try:
+            self._log_summary(now)
+        except Exception as e:
+            self._internal_error("summary", e)
+
+    def _log_summary(self, now):
+        """The summary line, when due and requests ran since the last."""
         now = _monotonic() if now is None else now
         if now < self._summary_next:
             return

@@ -410,34 +410,105 @@ def test_summary_is_logged_by_the_drain_loop(serve, caplog):
                              for r in caplog.records), what="a summary")
 
 
-def test_summary_and_metrics_without_hooks_tick_at_requests_ends(serve,
-                                                                  caplog):
+NO_HOOKS = dict(pct=0.0, report=False, blocking_ms=None, stack_hz=0)
+
+
+def test_summary_and_metrics_without_hooks_tick_while_requests_run(serve,
+                                                                   caplog):
     """No blocking detection, no stack sampler, nothing sampled: no hook,
-    no engine, so no drain loop.  The ends of requests tick instead, at
-    most once a second: the summary is logged and the counts reach
-    prometheus_client without a scrape.  (Before: never logged.)"""
+    no engine, so no drain loop.  A request's end starts a ticker (a
+    greenlet of the hub's) that ticks once a second while requests run:
+    the summary is logged, from no request's greenlet, and the counts
+    reach prometheus_client without a scrape.  (Before: never logged.)"""
     need_module("prometheus_client")
     import greenlet
     from greqprof import engine
     log = "greqprof.test_summary3"
+    emitted_in, served_in = [], []
+
+    class Where(logging.Handler):
+        def emit(self, record):
+            emitted_in.append(greenlet.getcurrent())
+
+    def app(environ, start_response):
+        served_in.append(greenlet.getcurrent())
+        return app_of_paths(environ, start_response)
+    logging.getLogger(log).addHandler(Where())
     with caplog.at_level(logging.INFO, logger=log):
-        s = serve(app_of_paths, pct=0.0, report=False, summary_s=0.5,
-                  blocking_ms=None, stack_hz=0, logger=log,
-                  metrics_path="/_greqprof/metrics")
+        s = serve(app, summary_s=0.5, logger=log,
+                  metrics_path="/_greqprof/metrics", **NO_HOOKS)
         s.get("/items/1")
-        gevent.sleep(1.1)
         s.get("/items/2")
+        wait_for(lambda: [r for r in caplog.records if r.name == log], 5,
+                 "a summary")
         assert engine.current_engine() is None
         assert greenlet.gettrace() is None
         lines = [r.getMessage() for r in caplog.records if r.name == log]
         assert len(lines) == 1 and "greqprof routes" in lines[0], lines
-        assert "/items/{id}" in lines[0]
+        assert "2 requests" in lines[0] and "/items/{id}" in lines[0]
         got = s.mw.metrics.registry.get_sample_value(
             "greqprof_requests_total",
             {"route": "/items/{id}", "status": "2xx"})
         assert got == 2.0
-        s.get("/items/3")   # (within the second: no tick)
+        # (and it ends: idle, nothing more is logged)
+        gevent.sleep(2.5)
         assert len([r for r in caplog.records if r.name == log]) == 1
+        assert s.mw._ticker_at < 0
+    assert emitted_in and not set(emitted_in) & set(served_in)
+    assert s.mw.stats["errors"] == 0
+
+
+def test_a_drain_loop_elsewhere_leaves_the_ticker_on(serve, caplog):
+    """A triggered request served once by another thread gives that thread
+    an engine and a drain loop that never runs (its hub does not); the
+    serving thread's summary goes on.  (Before the ticker checked whether
+    a drain loop ticked lately, it was turned off for good.)"""
+    import io
+    import threading
+    log = "greqprof.test_summary4"
+    with caplog.at_level(logging.INFO, logger=log):
+        s = serve(app_of_paths, summary_s=0.5, logger=log,
+                  trigger_header="X-Profile", trigger_secret="s3cret-42",
+                  **NO_HOOKS)
+
+        def triggered():
+            env = {"REQUEST_METHOD": "GET", "PATH_INFO": "/items/9",
+                   "SERVER_NAME": "x", "SERVER_PORT": "80",
+                   "wsgi.input": io.BytesIO(b""), "wsgi.url_scheme": "http",
+                   "HTTP_X_PROFILE": "s3cret-42"}
+            body = s.mw(env, lambda *a: None)
+            b"".join(body)
+            body.close()
+        t = threading.Thread(target=triggered)
+        t.start()
+        t.join()
+        assert s.mw.stats["sampled"] == 1
+        # (that thread's request also started a ticker in its hub, which
+        # never runs: past 3 s one is started here)
+        for i in range(10):
+            s.get("/items/%d" % i)
+            if [r for r in caplog.records if r.name == log]:
+                break
+            gevent.sleep(0.5)
+        wait_for(lambda: [r for r in caplog.records if r.name == log], 5,
+                 "a summary")
+
+
+def test_a_failing_summary_is_an_internal_error(serve, caplog):
+    """A log filter that raises on the summary: counted and logged as
+    greqprof's internal error, as from the drain loop, not lost."""
+    log = "greqprof.test_summary5"
+
+    class Boom(logging.Filter):
+        def filter(self, record):
+            if "greqprof routes" in record.getMessage():
+                raise RuntimeError("filter bug")
+            return True
+    logging.getLogger(log).addFilter(Boom())
+    with caplog.at_level(logging.INFO, logger=log):
+        s = serve(app_of_paths, summary_s=0.5, logger=log, **NO_HOOKS)
+        s.get("/items/1")
+        wait_for(lambda: s.mw.stats["errors"] >= 1, 5, "an internal error")
 
 
 def test_set_route_bounds_what_no_request_takes():
