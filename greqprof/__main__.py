@@ -46,17 +46,16 @@ def load_app(spec):
             "expected MODULE:APP, got the file %r: run it from the file's "
             "directory as `python -m greqprof serve %s:%s` (or put that "
             "directory on PYTHONPATH)" % (spec, mod, attr or "app"))
+    if module_name.startswith("."):
+        raise CliError("expected MODULE:APP with an absolute module name "
+                       "(no leading dot), got %r" % spec)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise CliError("cannot import module %r: %s" % (module_name, e))
-    except SyntaxError as e:   # (also in a module it imports)
-        from ._text import clean
-        raise CliError("cannot import module %r: %s in %s, line %s: %s" % (
-            module_name, type(e).__name__, clean(str(e.filename), 300),
-            e.lineno, clean(str(e.msg), 300)))
+    except (ImportError, SyntaxError) as e:   # (also in a module it imports)
+        raise CliError("cannot import module %r: %s"
+                       % (module_name, _import_error(e)))
     names = [attr] if attr else ["application", "app"]
     for name in names:
         obj = module
@@ -65,11 +64,27 @@ def load_app(spec):
                 obj = getattr(obj, part)
         except AttributeError:
             continue
+        except (ImportError, SyntaxError) as e:   # (a lazy __getattr__)
+            raise CliError("cannot import %s:%s: %s"
+                           % (module_name, name, _import_error(e)))
         if not callable(obj):
             raise CliError("%s:%s is not callable" % (module_name, name))
         return obj
     raise CliError("module %r has no attribute %s" % (
         module_name, " or ".join(repr(n) for n in names)))
+
+
+def _import_error(e):
+    """An ImportError or SyntaxError in one line, with what it says of
+    where."""
+    from ._text import clean
+    if not isinstance(e, SyntaxError):
+        return clean(str(e), 600)
+    where = " in %s" % clean(str(e.filename), 300) if e.filename else ""
+    if e.lineno is not None:
+        where += "%s line %s" % ("," if where else " at", clean(e.lineno))
+    return "%s%s%s" % (type(e).__name__, where, ": %s" % clean(str(
+        e.msg), 300) if e.msg is not None else "")
 
 
 def cmd_serve(args):
@@ -139,8 +154,8 @@ def cmd_serve(args):
 
 def _formats_arg(args):
     """--formats as the middleware's option: the comma-separated text as
-    typed (errors show it), None when not given."""
-    if not args.formats:
+    typed (errors show it), None when not given ("" names no format)."""
+    if args.formats is None:
         return None
     if not args.formats.replace(",", "").strip():
         raise CliError("--formats names no format: give some of %s, "
@@ -177,7 +192,7 @@ def _adopt(mw, app, args):
         if (int(ms * 1e6) if ms else 0) != cfg.blocking_ns:
             refused.append(("--blocking-ms", "blocking_ms=%r" % ms))
     outputs = mw._outputs or ProfileOutputs(cfg.calls)
-    if args.profile_dir is not None or args.formats:
+    if args.profile_dir is not None or args.formats is not None:
         if outputs.writer is not None:
             refused.append(("--profile-dir", "profile_dir=%r"
                             % args.profile_dir))
@@ -261,12 +276,14 @@ def cmd_view(args):
     (RequestProfile.from_dict), and text is cleaned on load."""
     from ._text import clean
     from .renderers import RenderError, get_renderer
-    from .request_profile import RequestProfile, read_json
+    from .request_profile import RequestProfile, parse_json
 
     renderer = get_renderer(args.format)
     name = clean(args.profile, 200)
+    data = None
     try:
-        raw = read_json(args.profile)
+        data = _read_bytes(args.profile)
+        raw = parse_json(data)
     except FileNotFoundError:
         raise CliError("no such file: %s" % name)
     except IsADirectoryError:
@@ -274,10 +291,11 @@ def cmd_view(args):
     except OSError as e:
         raise CliError("cannot read %s: %s" % (name, e.strerror))
     except ValueError as e:   # (also a NUL in the name)
-        raise CliError(_several(name, str(e)) or "%s is not a JSON profile "
-                       "(%s)" % (name, clean(str(e), 300)))
+        raise CliError(_several(name, str(e), data) or "%s is not a JSON "
+                       "profile (%s)" % (name, clean(str(e), 300)))
     except MemoryError:
         raise CliError(_NO_MEMORY % name) from None
+    data = None   # (the document is parsed)
     try:
         profile = RequestProfile.from_dict(raw)
     except (ValueError, RecursionError) as e:
@@ -329,18 +347,64 @@ def cmd_view(args):
     return 0
 
 
-def _several(name, error):
-    """The message for a file of several JSON documents, each starting a
-    line (json's "Extra data" at column 1), or None."""
-    m = re.search(r"Extra data: line (\d+) column 1 ", error)
-    if m is None or m.group(1) == "1":
+_BOM = b"\xef\xbb\xbf"
+
+
+def _read_bytes(path):
+    """The file at ``path`` as read_json reads it (the same size cap),
+    less a UTF-8 BOM at its start (view reads it as utf-8-sig: some
+    Windows editors write one)."""
+    from .request_profile import MAX_FILE_BYTES
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_FILE_BYTES:
+            raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
+        if size and f.seekable():
+            if f.read(len(_BOM)) != _BOM:
+                f.seek(0)
+            # (what the file holds, not the cap: read(cap) reserves 256 MiB)
+            return f.read(size + 1)
+        chunks, n = [], 0   # (a pipe or a /proc file: up to the cap)
+        while n <= MAX_FILE_BYTES:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+    data = b"".join(chunks)
+    return data[len(_BOM):] if data.startswith(_BOM) else data
+
+
+def _several(name, error, data):
+    """The message for a file of several JSON objects, each starting a
+    line (json's "Extra data" at column 1 of a line after the first,
+    where another object starts), or None."""
+    import json
+    m = re.search(r"Extra data: line (\d+) column 1 \(char (\d+)\)", error)
+    if m is None or m.group(1) == "1" or data is None:
         return None   # (e.g. a log line's "2026-..." prefix: not JSON)
+    text, at = data.decode("utf-8"), int(m.group(2))
+    end = text.find("\n", at)
+    # (JSON lines: that line is an object; else an object starts there,
+    # not trailing junk: a number, a lone "}", text)
+    lines = m.group(1) == "2" and _is_object(
+        json.loads, text[at:end if end >= 0 else len(text)])
+    if not lines and not _is_object(
+            lambda t: json.JSONDecoder().raw_decode(t, at)[0], text):
+        return None
     return ("%s holds several JSON documents%s: view takes one profile "
             "file, like the .json files profile_dir writes (formats="
             "[\"json\"]); save one %s to a file of its own to view it" % (
                 name, ", one per line (JSON lines, as json_logs logs them)"
-                if m.group(1) == "2" else "", "line (schema greqprof."
-                "request_profile/1)" if m.group(1) == "2" else "of them"))
+                if lines else "", "line (schema greqprof."
+                "request_profile/1)" if lines else "of them"))
+
+
+def _is_object(decode, text):
+    try:
+        return isinstance(decode(text), dict)
+    except (ValueError, RecursionError, MemoryError):
+        return False
 
 
 def _write_stdout(data):

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Mapping
 
 from ._text import clean as _clean
 from .errors import ConfigError
@@ -297,10 +298,13 @@ class _Formats(_Names):
             return None
         if isinstance(value, str):
             value = [x.strip() for x in value.split(",") if x.strip()]
+        # (bytes would be a list of ints, a dict its keys)
+        if isinstance(value, (bytes, bytearray, memoryview, Mapping)):
+            raise _Bad("type %s, not a list" % type(value).__name__)
         try:
             items = list(value)
         except TypeError:
-            raise _Bad("") from None
+            raise _Bad("type %s, not a list" % type(value).__name__) from None
         if not items:
             raise _Bad("empty (formats=None, the default, writes json; "
                        "leave profile_dir unset to write no files)")
@@ -312,7 +316,9 @@ class _Formats(_Names):
                 raise _Bad("unknown format %s%s" % (
                     _show(x, False), " (did you mean %r?)"
                     % x.strip().lower() if near else ""))
-        return items
+        # (a set has no order of its own: sorted, the same every run)
+        return sorted(items) if isinstance(value, (set, frozenset)) \
+            else items
 
 
 class _Callable(_Spec):
@@ -492,14 +498,18 @@ def name_source(error, sources):
     return ConfigError("%s (%s)" % (text, note))
 
 
-_QUOTED = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+# (a quoted value, or one _show cut: no closing quote, "...[N more]")
+_QUOTED = (r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+           r"|'(?:[^'\\]|\\.)*\\?\.\.\.\[\d+ more\]"
+           r"|\"(?:[^\"\\]|\\.)*\\?\.\.\.\[\d+ more\]")
 
 
 def name_flags(error, flags, off=()):
     """A ConfigError about options a command line set, with its flags
     named instead (``flags``: option -> flag; ``off``: option -> the
-    flag's value that means off, said instead of None).  Quoted values
-    are left as they are."""
+    flag's value that means off, said instead of None).  Quoted values,
+    and the value after ", got " that ends check's messages, are left as
+    they are."""
     text = str(error)
     if not flags:
         return error
@@ -507,9 +517,17 @@ def name_flags(error, flags, off=()):
         spec = OPTIONS[opt]
         if text.startswith("%s must be %s" % (opt, spec.doc)):
             text = text.replace(spec.off_doc, "%s (off)" % value, 1)
-    names = re.compile(r"(%s)|(?<![\w/.-])(%s)(?:=True)?(?![\w/.-])" % (
-        _QUOTED, "|".join(re.escape(o) for o in flags)))
-    text = names.sub(lambda m: m.group(1) or flags[m.group(2)], text)
+    names = re.compile(
+        r"(%s)|(, got )|(?<![\w/.-])(%s)(?:=True)?(?![\w/.-])" % (
+            _QUOTED, "|".join(re.escape(o) for o in flags)))
+    out, at = [], 0
+    for m in names.finditer(text):
+        if m.group(2):
+            break   # (the value as given: never rewritten)
+        if m.group(3):
+            out += [text[at:m.start()], flags[m.group(3)]]
+            at = m.end()
+    text = "".join(out) + text[at:]
     return error if text == str(error) else ConfigError(text)
 
 

@@ -331,6 +331,11 @@ def test_serve_bad_option(tmp_path):
         "unknown format 'JSON' (did you mean 'json'?), got 'JSON,trace'\n"]),
     (["--formats", " , ", "--profile-dir", "{tmp}"], [
         "error: --formats names no format: give some of callgrind, "]),
+    # ("" was ignored, "," refused)
+    (["--formats", "", "--profile-dir", "{tmp}"], [
+        "error: --formats names no format: give some of callgrind, "]),
+    (["--formats", ""], [
+        "error: --formats names no format: give some of callgrind, "]),
 ])
 def test_serve_errors_name_the_flags(tmp_path, args, needles):
     """ConfigErrors said "formats needs profile_dir" or "blocking_ms ...
@@ -363,6 +368,58 @@ def test_serve_syntax_error_is_one_line(tmp_path, source, where, needle):
           % needle, str(tmp_path / where))
     err = r.stderr.decode()
     assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--formats", "pct,%sblocking_ms" % ("json," * 20),
+      "--profile-dir", "{tmp}"],
+     "unknown format 'pct', got 'pct,json,json,"),
+    (["--profile-dir", "calls " + "x" * 4100],
+     "longer than 4096 characters, got 'calls xxx"),
+])
+def test_serve_error_echoes_the_value_as_typed(tmp_path, args, needle):
+    """A value cut to 80 characters lost its closing quote, and the flags
+    were named inside it: "got '--pct,json,...", "got '--calls xxx"."""
+    (tmp_path / "cli_test_app.py").write_text(APP)
+    args = [str(tmp_path / "out") if a == "{tmp}" else a for a in args]
+    r = cli("serve", "cli_test_app:app", "--port", "0", "--quiet", *args,
+            cwd=str(tmp_path), timeout=20)
+    fails(r, needle, "more]\n")
+    assert "'--" not in r.stderr.decode(), r.stderr
+
+
+@pytest.mark.parametrize("files,spec,needle", [
+    # (a package whose lazy __getattr__ imports the broken module: a
+    # 33-line traceback, exit 1)
+    ({"cli_lazy/__init__.py": "def __getattr__(name):\n"
+      "    import importlib\n"
+      "    return importlib.import_module('cli_lazy.' + name)\n",
+      "cli_lazy/bad.py": "def app(:\n"}, "cli_lazy:bad.app",
+     "error: cannot import cli_lazy:bad.app: SyntaxError in {tmp}/"
+     "cli_lazy/bad.py, line 1: invalid syntax\n"),
+    ({"cli_lazy/__init__.py": "def __getattr__(name):\n"
+      "    import importlib\n"
+      "    return importlib.import_module('cli_lazy.' + name)\n"},
+     "cli_lazy:nope.app", "error: cannot import cli_lazy:nope.app: No "
+     "module named 'cli_lazy.nope'\n"),
+    # (it said "SyntaxError in None, line None")
+    ({"cli_hand.py": "raise SyntaxError('made by hand')\n"}, "cli_hand:app",
+     "error: cannot import module 'cli_hand': SyntaxError: made by "
+     "hand\n"),
+    ({"cli_exec.py": "exec('def (')\n"}, "cli_exec:app",
+     "error: cannot import module 'cli_exec': SyntaxError in <string>, "
+     "line 1: invalid syntax\n"),
+    # (a TypeError traceback from importlib)
+    ({}, ".cli_rel:app", "error: expected MODULE:APP with an absolute "
+     "module name (no leading dot), got '.cli_rel:app'\n"),
+])
+def test_serve_import_error_is_one_line(tmp_path, files, spec, needle):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    r = cli("serve", spec, "--port", "0", cwd=str(tmp_path), timeout=20)
+    fails(r, needle.replace("{tmp}", str(tmp_path)))
+    assert len(r.stderr.decode().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -454,6 +511,7 @@ def test_serve_shows_a_wrapped_apps_own_inspector(tmp_path, args):
     (["--pct", "0.5", "--blocking-ms", "0"],
      ["--pct and --blocking-ms cannot", "pct=0.5, blocking_ms=None"]),
     (["--formats", "json"], ["--formats needs --profile-dir"]),
+    (["--formats", ""], ["--formats needs --profile-dir"]),
     (["--blocking-ms", "-5"], ["--blocking-ms must be", "or 0 (off)"]),
 ])
 def test_serve_refuses_what_a_wrapped_app_fixes(tmp_path, args, needles):

@@ -13,6 +13,7 @@ import re
 import socket
 import sys
 import time
+import types
 
 import gevent
 import greenlet
@@ -719,3 +720,63 @@ def test_name_flags_names_the_command_lines_flags():
     env = ("GREQPROF_STACK_HZ='x': must be a number from 0 to 1000, "
            "or None (0 or off in the environment): not a number")
     assert named(env) == env
+
+
+def test_name_flags_leaves_the_value_as_given():
+    """A value _show cut at 80 characters lost its closing quote: the
+    flags were named inside it ("got '--pct,json,...")."""
+    flags = {"pct": "--pct", "calls": "--calls", "formats": "--formats",
+             "blocking_ms": "--blocking-ms", "profile_dir": "--profile-dir"}
+
+    def named(text):
+        return str(gconfig.name_flags(ConfigError(text), flags))
+
+    given = "pct,%sblocking_ms" % ("json," * 20)
+    with pytest.raises(ConfigError) as e:
+        gconfig.check("formats", given)
+    text = named(str(e.value))
+    assert text.startswith("--formats must be a list of 1 to 32 of: ")
+    assert text.endswith(", got %s...[%d more]" % (
+        repr(given)[:80], len(repr(given)) - 80)), text
+    with pytest.raises(ConfigError) as e:
+        gconfig.check("profile_dir", "calls " + "x" * 4100)
+    text = named(str(e.value))
+    assert text.startswith("--profile-dir must be a directory path")
+    assert ", got 'calls xxx" in text, text
+    # (after ", got ": never; a cut quoted value elsewhere is left too)
+    assert named("pct must be 1, got calls") == "--pct must be 1, got calls"
+    assert named("formats: 'calls pct...[9 more] needs calls=True") == \
+        "--formats: 'calls pct...[9 more] needs --calls"
+    assert named('formats: "it\'s calls\\...[3 more] needs calls') == \
+        '--formats: "it\'s calls\\...[3 more] needs --calls'
+    assert named("profile_dir 'a, got calls' needs calls") == \
+        "--profile-dir 'a, got calls' needs --calls"
+
+
+@pytest.mark.parametrize("given", [
+    b"json", bytearray(b"json"), memoryview(b"json"), {"json": 1},
+    types.MappingProxyType({"json": 1}), 5])
+def test_formats_refuses_bytes_and_mappings(given, tmp_path):
+    """bytes said "unknown format 106" (a list of ints); a dict was
+    taken for its keys."""
+    with pytest.raises(ConfigError) as e:
+        ProfilingMiddleware(app, environ={}, formats=given,
+                            profile_dir=str(tmp_path))
+    text = str(e.value)
+    assert text.startswith("formats must be a list of 1 to 32 of: ")
+    assert "(lower case): type %s, not a list, got " \
+        % type(given).__name__ in text, text
+
+
+def test_formats_set_is_sorted(tmp_path):
+    """A set is taken, in sorted order (its own order changes from run
+    to run with the string hash; here it is the reverse one)."""
+    class Backwards(set):
+        def __iter__(self):
+            return iter(sorted(set.__iter__(self), reverse=True))
+
+    for given in (Backwards({"trace", "json", "html"}),
+                  frozenset({"text", "json"})):
+        assert gconfig.check("formats", given) == sorted(given)
+        assert formats(mw_from({}, profile_dir=str(tmp_path),
+                               formats=given)) == sorted(given)

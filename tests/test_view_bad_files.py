@@ -181,6 +181,48 @@ def test_view_names_a_json_lines_file(tmp_path):
     refused(view(p), "is not a JSON profile (not valid JSON: Extra data")
 
 
+@pytest.mark.parametrize("after", ["see the INFO log\n", "}\n", "7\n",
+                                   "[1]\n", "{\n"])
+def test_view_json_lines_only_when_the_next_line_is_an_object(tmp_path,
+                                                             after):
+    """One profile then trailing junk was called "several JSON documents,
+    one per line (JSON lines...)"."""
+    p = tmp_path / "one.json"
+    p.write_text(json.dumps(good()) + "\n" + after)
+    err = refused(view(p), "one.json is not a JSON profile (not valid "
+                  "JSON: Extra data: line 2 column 1 (char ")
+    assert "several" not in err, err
+    # (an object on the lines after, not on one line: several documents)
+    p.write_text(json.dumps(good()) + "\n" + json.dumps(good(), indent=1))
+    err = refused(view(p), "one.json holds several JSON documents: view "
+                  "takes one profile file", "save one of them")
+    assert "JSON lines" not in err, err
+
+
+def test_view_reads_a_bom(tmp_path):
+    """A UTF-8 BOM (some Windows editors write one) was "not valid JSON:
+    Unexpected UTF-8 BOM"."""
+    line = json.dumps(good())
+    p = tmp_path / "bom.json"
+    p.write_bytes(b"\xef\xbb\xbf" + line.encode())
+    r = view(p)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b">>> Begin RequestProfile")
+    # (from a pipe too: no size to read by)
+    r = subprocess.run([sys.executable, "-m", "greqprof", "view",
+                        "/dev/stdin"], input=p.read_bytes(),
+                       capture_output=True, timeout=60, cwd=CHILD_CWD,
+                       env=child_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b">>> Begin RequestProfile")
+    p.write_bytes(b"\xef\xbb\xbf" + (line + "\r\n").encode() * 2)
+    refused(view(p), "bom.json holds several JSON documents, one per line "
+            "(JSON lines")
+    # (only at the start: one further on is not JSON)
+    p.write_bytes(b" \xef\xbb\xbf" + line.encode())
+    refused(view(p), "bom.json is not a JSON profile")
+
+
 def test_load_refuses_bad_bytes(tmp_path):
     for label, raw in BAD_BYTES:
         p = tmp_path / "bad.json"
