@@ -90,14 +90,20 @@ def main():
                     help="spawn: spawns and joins one greenlet (default); "
                          "hello: the /hello handler of the load benchmark")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--kw", action="append", metavar="JSON",
+                    help="measure ProfilingMiddleware(**JSON) instead of "
+                         "the default cases (repeatable; 'bare': no "
+                         "middleware); run this script from another "
+                         "checkout to count that checkout's build")
     args = ap.parse_args()
+    cases = [(kw, kw) for kw in args.kw] if args.kw else CASES
     if shutil.which("valgrind") is None:
         print("skipped: valgrind is not installed")
         return 0
     rows = []
     base = None
     with tempfile.TemporaryDirectory() as tmp:
-        for label, kw in CASES:
+        for label, kw in cases:
             a, b = (count(kw, args.app, n, tmp) for n in SIZES)
             per = (b - a) / (SIZES[1] - SIZES[0])
             if base is None:
@@ -107,8 +113,9 @@ def main():
     headers = ["configuration (%s app)" % args.app, "instructions per request",
                "added to no middleware"]
     print((bu.md_table if args.markdown else bu.text_table)(headers, rows))
-    print("\n`python bench/request_instructions.py --app %s%s`"
-          % (args.app, " --markdown" if args.markdown else ""))
+    print("\n`python bench/request_instructions.py --app %s%s%s`"
+          % (args.app, " --markdown" if args.markdown else "",
+             "".join(" --kw '%s'" % kw for kw in args.kw or ())))
     return 0
 
 
