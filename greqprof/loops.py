@@ -82,25 +82,48 @@ def drain_loop(mw_ref, ref):
                 blocking.drain(mw, eng)
                 for m in list(eng.middlewares) or [mw]:
                     blocking.log_summaries(m)
+                    m._drained_at = _monotonic()
                     m._routes_tick()
             except Exception as e:
                 mw._internal_error("drain", e)
         del eng, mw   # (not held while suspended)
 
 
-def start_ticker(mw):
-    """ticker_loop for mw, spawned from the hub so that it belongs to no
-    request."""
+def ticker_alive(mw):
+    """Whether mw's ticker (loops.ticker_loop) is starting or running in
+    a thread that still runs."""
+    t = mw._ticker
+    if t is None:
+        return False
+    g, ident, since = t
+    if g is None:   # (its start is queued in the hub: a few ms at most)
+        return _monotonic() - since < 3.0
+    if g.dead:
+        return False
+    import sys
+    return ident in sys._current_frames()   # (a live OS thread)
+
+
+def start_ticker(mw, hub):
+    """ticker_loop for mw in hub (the calling thread's, running), spawned
+    from the hub so that it belongs to no request."""
     import gevent
-    gevent.get_hub().loop.run_callback(gevent.spawn, ticker_loop,
-                                       weakref.ref(mw))
+    ident = _engine.real_get_ident()
+    mw._ticker = (None, ident, _monotonic())
+    ref = weakref.ref(mw)
+
+    def spawn():
+        m = ref()
+        if m is not None:
+            m._ticker = (gevent.spawn(ticker_loop, ref), ident, _monotonic())
+    hub.loop.run_callback(spawn)
 
 
 def ticker_loop(mw_ref):
     """The routes' tick (summary, metrics sync, recent window) of a
     middleware no drain loop ticks, once a second while its requests run;
     it ends a second after the last one, once their summary is logged.
-    A drain loop that ticks meanwhile is left to it."""
+    Ticks are left to a drain loop that runs meanwhile."""
     import gevent
     seen = None
     while True:
@@ -109,15 +132,15 @@ def ticker_loop(mw_ref):
             return
         n = mw._routes.counts.requests
         if n == seen and (not mw.summary_s or mw._summary_seen == n):
-            mw._ticker_at = -1e9   # (the next request starts another)
-            return
+            t, mw._ticker = mw._ticker, None
+            # (a request another thread ended meanwhile found this one
+            # running: it goes on)
+            if mw._routes.counts.requests == n:
+                return
+            mw._ticker = t
         seen = n
-        mw._ticker_at = _monotonic()
-        if mw._ticker_at - mw._ticked_at >= 0.9:
-            try:
-                mw._routes_tick()
-            except Exception as e:
-                mw._internal_error("summary", e)
+        if _monotonic() - mw._drained_at >= 0.9:
+            mw._routes_tick()   # (never raises)
         del mw   # (not held while suspended)
         gevent.sleep(1.0, ref=False)
 

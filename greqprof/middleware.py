@@ -289,7 +289,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         self._summary_seen = 0
         # (where no drain loop ticks: no hooks, nothing sampled, or its
         # thread gone; see _tick_soon)
-        self._ticked_at = self._ticker_at = -1e9
+        self._drained_at = -1e9   # (a drain loop's last tick)
+        self._ticker = None       # (greenlet, thread ident, since)
         if self.summary_s or self.metrics is not None:
             self._routes.counts.set_ticker(self._tick_soon)
 
@@ -637,21 +638,24 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         """(C calls it at the end of a request, at most once a second) When
         no drain loop ticked lately, a greenlet of the hub's (no
         request's) ticks once a second while requests run and until their
-        summary is logged (loops.ticker_loop).  Nothing of it runs in the
-        request: a log handler that waits would make it wait."""
-        now = _monotonic()
-        if now - self._ticked_at < 2.0 or now - self._ticker_at < 3.0:
+        summary is logged (loops.ticker_loop): a log handler that waits
+        does not make the request wait.  A thread without gevent's loop
+        (a threaded server) ticks here."""
+        if _monotonic() - self._drained_at < 2.0 or loops.ticker_alive(self):
             return
-        self._ticker_at = now
+        hub = _engine._hub_now()
+        if hub is None or hub.dead or getcurrent() is hub:
+            self._routes_tick()
+            return
         try:
-            loops.start_ticker(self)
+            loops.start_ticker(self, hub)
         except Exception as e:
+            self._ticker = None
             self._internal_error("summary", e)
 
     def _routes_tick(self, now=None):
         """(the drain loop calls it once a second) Logs the routes summary
         when summary_s has passed and requests ran since the last one."""
-        self._ticked_at = _monotonic()
         try:
             self._routes.tick(now)   # (the recent window's snapshots)
         except Exception as e:

@@ -9,6 +9,7 @@ import random
 import time
 
 import gevent
+import gevent.event
 import pytest
 
 import greqprof
@@ -451,11 +452,77 @@ def test_summary_and_metrics_without_hooks_tick_while_requests_run(serve,
             {"route": "/items/{id}", "status": "2xx"})
         assert got == 2.0
         # (and it ends: idle, nothing more is logged)
-        gevent.sleep(2.5)
+        wait_for(lambda: s.mw._ticker is None, 5, "the ticker's end")
         assert len([r for r in caplog.records if r.name == log]) == 1
-        assert s.mw._ticker_at < 0
+        # A request after it ended starts another, which logs and syncs it.
+        # (Before: a request within 2 s of the ended ticker's last tick was
+        # never summarized nor synced while the server stayed idle.)
+        s.get("/items/3")
+        wait_for(lambda: len([r for r in caplog.records
+                              if r.name == log]) == 2, 5, "a 2nd summary")
+        assert s.mw.metrics.registry.get_sample_value(
+            "greqprof_requests_total",
+            {"route": "/items/{id}", "status": "2xx"}) == 3.0
     assert emitted_in and not set(emitted_in) & set(served_in)
     assert s.mw.stats["errors"] == 0
+
+
+def test_a_thread_without_gevents_loop_ticks_itself(caplog):
+    """Requests served by a plain thread (a threaded server: no gevent
+    loop there) tick where they end: the summary is logged, and no gevent
+    hub is made in that thread.  (Before: a hub was made in each such
+    thread, whose loop never ran: no summary, two file descriptors a
+    thread.)"""
+    import io
+    import threading
+    from gevent._hub_local import get_hub_if_exists
+    log = "greqprof.test_summary6"
+    mw = ProfilingMiddleware(app_of_paths, summary_s=0.5, logger=log,
+                             **NO_HOOKS)
+    hubs = []
+
+    def serve_some():
+        for i in range(4):
+            env = {"REQUEST_METHOD": "GET", "PATH_INFO": "/items/%d" % i,
+                   "SERVER_NAME": "x", "SERVER_PORT": "80",
+                   "wsgi.input": io.BytesIO(b""), "wsgi.url_scheme": "http"}
+            b"".join(mw(env, lambda *a: None))
+            time.sleep(0.6)
+        hubs.append(get_hub_if_exists())
+    with caplog.at_level(logging.INFO, logger=log):
+        t = threading.Thread(target=serve_some)
+        t.start()
+        t.join()
+        lines = [r.getMessage() for r in caplog.records if r.name == log]
+    assert lines and "greqprof routes" in lines[0], lines
+    assert hubs == [None]
+
+
+def test_a_log_handler_that_hangs_holds_one_ticker(serve, caplog):
+    """A log handler that never returns (a network sink whose peer hangs)
+    holds the ticker inside the summary; requests go on, and no other
+    ticker is started beside it.  (Before: one more every 3 s.)"""
+    log = "greqprof.test_summary7"
+    release = gevent.event.Event()
+    tickers = set()
+
+    class Hangs(logging.Handler):
+        def emit(self, record):
+            release.wait()
+    handler = Hangs()
+    logging.getLogger(log).addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=log):
+            s = serve(app_of_paths, summary_s=0.5, logger=log, **NO_HOOKS)
+            for i in range(9):
+                assert s.get("/items/%d" % i).status == 200
+                if s.mw._ticker is not None:
+                    tickers.add(s.mw._ticker[0])
+                gevent.sleep(0.5)
+            assert len(tickers - {None}) == 1, tickers
+    finally:
+        release.set()
+        logging.getLogger(log).removeHandler(handler)
 
 
 def test_a_drain_loop_elsewhere_leaves_the_ticker_on(serve, caplog):
