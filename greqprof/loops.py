@@ -89,42 +89,52 @@ def drain_loop(mw_ref, ref):
         del eng, mw   # (not held while suspended)
 
 
-def ticker_alive(mw):
-    """Whether mw's ticker (loops.ticker_loop) is starting or running in
-    a thread that still runs."""
-    t = mw._ticker
-    if t is None:
-        return False
-    g, ident, since = t
-    if g is None:   # (its start is queued in the hub: a few ms at most)
-        return _monotonic() - since < 3.0
-    if g.dead:
-        return False
+#: seconds without a pass after which another thread's ticker is taken
+#: for stalled (its loop blocked or stopped)
+TICKER_STALE_S = 3.0
+
+
+def ticker_needed(mw):
+    """Whether a ticker (ticker_loop) should start in the calling thread
+    for mw: none passed within TICKER_STALE_S in any thread, and none is
+    stuck in this one (a log handler that hangs there would hold one more
+    every time).  Forgets tickers of threads that ended."""
     import sys
-    return ident in sys._current_frames()   # (a live OS thread)
+    now = _monotonic()
+    me = _engine.real_get_ident()
+    live = sys._current_frames()
+    tickers = mw._tickers
+    for ident, (g, since) in list(tickers.items()):
+        if ident not in live or (g is not None and g.dead):
+            tickers.pop(ident, None)
+        elif now - since < TICKER_STALE_S or ident == me:
+            return False
+    return True
 
 
 def start_ticker(mw, hub):
-    """ticker_loop for mw in hub (the calling thread's, running), spawned
-    from the hub so that it belongs to no request."""
+    """ticker_loop for mw in hub (the calling thread's, its loop running),
+    spawned from the hub so that it belongs to no request."""
     import gevent
     ident = _engine.real_get_ident()
-    mw._ticker = (None, ident, _monotonic())
+    mw._tickers[ident] = (None, _monotonic())   # (queued: g not known yet)
     ref = weakref.ref(mw)
 
     def spawn():
         m = ref()
         if m is not None:
-            m._ticker = (gevent.spawn(ticker_loop, ref), ident, _monotonic())
+            m._tickers[ident] = (gevent.spawn(ticker_loop, ref, ident),
+                                 _monotonic())
     hub.loop.run_callback(spawn)
 
 
-def ticker_loop(mw_ref):
+def ticker_loop(mw_ref, ident):
     """The routes' tick (summary, metrics sync, recent window) of a
     middleware no drain loop ticks, once a second while its requests run;
     it ends a second after the last one, once their summary is logged.
     Ticks are left to a drain loop that runs meanwhile."""
     import gevent
+    me = getcurrent()
     seen = None
     while True:
         mw = mw_ref()
@@ -132,13 +142,13 @@ def ticker_loop(mw_ref):
             return
         n = mw._routes.counts.requests
         if n == seen and (not mw.summary_s or mw._summary_seen == n):
-            t, mw._ticker = mw._ticker, None
+            mw._tickers.pop(ident, None)
             # (a request another thread ended meanwhile found this one
             # running: it goes on)
             if mw._routes.counts.requests == n:
                 return
-            mw._ticker = t
         seen = n
+        mw._tickers[ident] = (me, _monotonic())
         if _monotonic() - mw._drained_at >= 0.9:
             mw._routes_tick()   # (never raises)
         del mw   # (not held while suspended)

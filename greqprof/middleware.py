@@ -57,6 +57,20 @@ def _mounted_route(environ):
         return None
 
 
+def _in_loop_of(hub):
+    """Whether the calling greenlet runs under hub's loop (a server's
+    greenlet, or one it made): a hub that merely exists, as an engine
+    makes one in a thread a sync server serves, may never run."""
+    g = getcurrent()
+    for _ in range(16):
+        g = g.parent
+        if g is None:
+            return False
+        if g is hub:
+            return not hub.dead
+    return False
+
+
 #: _begin's answer for a request to the inspector's own pages
 _INSPECTOR = object()
 
@@ -290,7 +304,7 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         # (where no drain loop ticks: no hooks, nothing sampled, or its
         # thread gone; see _tick_soon)
         self._drained_at = -1e9   # (a drain loop's last tick)
-        self._ticker = None       # (greenlet, thread ident, since)
+        self._tickers = {}        # thread ident -> (greenlet, last pass)
         if self.summary_s or self.metrics is not None:
             self._routes.counts.set_ticker(self._tick_soon)
 
@@ -641,16 +655,17 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         summary is logged (loops.ticker_loop): a log handler that waits
         does not make the request wait.  A thread without gevent's loop
         (a threaded server) ticks here."""
-        if _monotonic() - self._drained_at < 2.0 or loops.ticker_alive(self):
+        if _monotonic() - self._drained_at < 2.0 or \
+                not loops.ticker_needed(self):
             return
         hub = _engine._hub_now()
-        if hub is None or hub.dead or getcurrent() is hub:
+        if hub is None or not _in_loop_of(hub):
             self._routes_tick()
             return
         try:
             loops.start_ticker(self, hub)
         except Exception as e:
-            self._ticker = None
+            self._tickers.pop(_engine.real_get_ident(), None)
             self._internal_error("summary", e)
 
     def _routes_tick(self, now=None):

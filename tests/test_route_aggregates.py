@@ -452,7 +452,7 @@ def test_summary_and_metrics_without_hooks_tick_while_requests_run(serve,
             {"route": "/items/{id}", "status": "2xx"})
         assert got == 2.0
         # (and it ends: idle, nothing more is logged)
-        wait_for(lambda: s.mw._ticker is None, 5, "the ticker's end")
+        wait_for(lambda: not s.mw._tickers, 5, "the ticker's end")
         assert len([r for r in caplog.records if r.name == log]) == 1
         # A request after it ended starts another, which logs and syncs it.
         # (Before: a request within 2 s of the ended ticker's last tick was
@@ -467,18 +467,22 @@ def test_summary_and_metrics_without_hooks_tick_while_requests_run(serve,
     assert s.mw.stats["errors"] == 0
 
 
-def test_a_thread_without_gevents_loop_ticks_itself(caplog):
+@pytest.mark.parametrize("hooks", [False, True])
+def test_a_thread_without_gevents_loop_ticks_itself(caplog, hooks):
     """Requests served by a plain thread (a threaded server: no gevent
-    loop there) tick where they end: the summary is logged, and no gevent
-    hub is made in that thread.  (Before: a hub was made in each such
-    thread, whose loop never ran: no summary, two file descriptors a
-    thread.)"""
+    loop there) tick where they end: the summary is logged, and without
+    hooks no gevent hub is made in that thread.  (Before: a hub was made
+    in each such thread, whose loop never ran: no summary, two file
+    descriptors a thread.  With hooks the engine makes one, which never
+    runs either: the summary was not logged.)"""
     import io
     import threading
     from gevent._hub_local import get_hub_if_exists
     log = "greqprof.test_summary6"
+    opts = dict(NO_HOOKS, blocking_ms=100, stack_hz=100) if hooks \
+        else NO_HOOKS
     mw = ProfilingMiddleware(app_of_paths, summary_s=0.5, logger=log,
-                             **NO_HOOKS)
+                             **opts)
     hubs = []
 
     def serve_some():
@@ -495,7 +499,59 @@ def test_a_thread_without_gevents_loop_ticks_itself(caplog):
         t.join()
         lines = [r.getMessage() for r in caplog.records if r.name == log]
     assert lines and "greqprof routes" in lines[0], lines
-    assert hubs == [None]
+    if not hooks:
+        assert hubs == [None]
+
+
+def test_a_stalled_ticker_elsewhere_does_not_hold_the_summary(serve,
+                                                              caplog):
+    """Thread A serves a request (its ticker starts in A's loop), then
+    stops its server and blocks: its ticker neither runs nor dies.  This
+    thread's requests get a ticker of their own.  (Before: none, for as
+    long as A lived.)"""
+    import queue
+    import socket
+    import threading
+    from gevent import pywsgi
+    log = "greqprof.test_summary8"
+    with caplog.at_level(logging.INFO, logger=log):
+        s = serve(app_of_paths, summary_s=0.5, logger=log, **NO_HOOKS)
+        ports, served, done = queue.Queue(), threading.Event(), \
+            threading.Event()
+
+        def thread_a():
+            srv = pywsgi.WSGIServer(("127.0.0.1", 0), s.mw, log=None)
+            srv.start()
+            ports.put(srv.server_port)
+            while not served.is_set():
+                gevent.sleep(0.01)
+            gevent.sleep(0.3)   # (its ticker starts and ticks)
+            srv.stop()
+            done.wait(30)       # (blocked: the loop does not run)
+        a = threading.Thread(target=thread_a, daemon=True)
+        a.start()
+        c = socket.create_connection(("127.0.0.1", ports.get(timeout=10)))
+        c.sendall(b"GET /items/0 HTTP/1.0\r\n\r\n")
+        while c.recv(65536):
+            pass
+        c.close()
+        served.set()
+        try:
+            wait_for(lambda: s.mw._routes.counts.requests == 1 and
+                     any(g is not None for g, _ in s.mw._tickers.values()),
+                     10, "thread A's ticker")
+            gevent.sleep(0.5)
+            for i in range(12):
+                s.get("/items/%d" % i)
+                if len([r for r in caplog.records if r.name == log]) > 1:
+                    break
+                gevent.sleep(0.5)
+            wait_for(lambda: len([r for r in caplog.records
+                                  if r.name == log]) > 1, 5,
+                     "a summary of this thread's requests")
+        finally:
+            done.set()
+            a.join(10)
 
 
 def test_a_log_handler_that_hangs_holds_one_ticker(serve, caplog):
@@ -516,8 +572,7 @@ def test_a_log_handler_that_hangs_holds_one_ticker(serve, caplog):
             s = serve(app_of_paths, summary_s=0.5, logger=log, **NO_HOOKS)
             for i in range(9):
                 assert s.get("/items/%d" % i).status == 200
-                if s.mw._ticker is not None:
-                    tickers.add(s.mw._ticker[0])
+                tickers.update(g for g, _ in s.mw._tickers.values())
                 gevent.sleep(0.5)
             assert len(tickers - {None}) == 1, tickers
     finally:
