@@ -98,16 +98,16 @@ def ticker_needed(mw):
     """Whether a ticker (ticker_loop) should start in the calling thread
     for mw: none passed within TICKER_STALE_S in any thread, and none is
     stuck in this one (a log handler that hangs there would hold one more
-    every time).  Forgets tickers of threads that ended."""
-    import sys
+    every time).  Forgets tickers of threads that ended (their thread
+    token is gone: no frame of another thread is looked at, which kept
+    its objects alive)."""
     now = _monotonic()
-    me = _engine.real_get_ident()
-    live = sys._current_frames()
+    me = _lowlevel.thread_token()
     tickers = mw._tickers
-    for ident, (g, since) in list(tickers.items()):
-        if ident not in live or (g is not None and g.dead):
-            tickers.pop(ident, None)
-        elif now - since < TICKER_STALE_S or ident == me:
+    for tok, (g, since) in list(tickers.items()):
+        if tok() is None or (g is not None and g.dead):
+            tickers.pop(tok, None)
+        elif now - since < TICKER_STALE_S or tok() is me:
             return False
     return True
 
@@ -116,19 +116,19 @@ def start_ticker(mw, hub):
     """ticker_loop for mw in hub (the calling thread's, its loop running),
     spawned from the hub so that it belongs to no request."""
     import gevent
-    ident = _engine.real_get_ident()
-    mw._tickers[ident] = (None, _monotonic())   # (queued: g not known yet)
+    key = weakref.ref(_lowlevel.thread_token())   # (this OS thread)
+    mw._tickers[key] = (None, _monotonic())   # (queued: g not known yet)
     ref = weakref.ref(mw)
 
     def spawn():
         m = ref()
         if m is not None:
-            m._tickers[ident] = (gevent.spawn(ticker_loop, ref, ident),
-                                 _monotonic())
+            m._tickers[key] = (gevent.spawn(ticker_loop, ref, key),
+                               _monotonic())
     hub.loop.run_callback(spawn)
 
 
-def ticker_loop(mw_ref, ident):
+def ticker_loop(mw_ref, key):
     """The routes' tick (summary, metrics sync, recent window) of a
     middleware no drain loop ticks, once a second while its requests run;
     it ends a second after the last one, once their summary is logged.
@@ -142,13 +142,13 @@ def ticker_loop(mw_ref, ident):
             return
         n = mw._routes.counts.requests
         if n == seen and (not mw.summary_s or mw._summary_seen == n):
-            mw._tickers.pop(ident, None)
+            mw._tickers.pop(key, None)
             # (a request another thread ended meanwhile found this one
             # running: it goes on)
             if mw._routes.counts.requests == n:
                 return
         seen = n
-        mw._tickers[ident] = (me, _monotonic())
+        mw._tickers[key] = (me, _monotonic())
         if _monotonic() - mw._drained_at >= 0.9:
             mw._routes_tick()   # (never raises)
         del mw   # (not held while suspended)

@@ -5,9 +5,11 @@ import math
 import os
 import random
 import socket
+import weakref
 from time import monotonic as _monotonic
 
 from . import _collect, _registry, blocking, logs, loops, policy, routes, sampler
+from . import _lowlevel
 from ._lowlevel import RequestRawProfile
 from . import engine as _engine
 from .engine import engine_for_thread
@@ -304,7 +306,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         # (where no drain loop ticks: no hooks, nothing sampled, or its
         # thread gone; see _tick_soon)
         self._drained_at = -1e9   # (a drain loop's last tick)
-        self._tickers = {}        # thread ident -> (greenlet, last pass)
+        # weak ref to a thread's token -> (its ticker greenlet, last pass)
+        self._tickers = {}
         if self.summary_s or self.metrics is not None:
             self._routes.counts.set_ticker(self._tick_soon)
 
@@ -665,7 +668,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
         try:
             loops.start_ticker(self, hub)
         except Exception as e:
-            self._tickers.pop(_engine.real_get_ident(), None)
+            self._tickers.pop(
+                weakref.ref(_lowlevel.thread_token()), None)
             self._internal_error("summary", e)
 
     def _routes_tick(self, now=None):
