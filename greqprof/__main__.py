@@ -354,24 +354,8 @@ def _read_bytes(path):
     """The file at ``path`` as read_json reads it (the same size cap),
     less a UTF-8 BOM at its start (view reads it as utf-8-sig: some
     Windows editors write one)."""
-    from .request_profile import MAX_FILE_BYTES
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_FILE_BYTES:
-            raise ValueError("larger than %d MiB" % (MAX_FILE_BYTES >> 20))
-        if size and f.seekable():
-            if f.read(len(_BOM)) != _BOM:
-                f.seek(0)
-            # (what the file holds, not the cap: read(cap) reserves 256 MiB)
-            return f.read(size + 1)
-        chunks, n = [], 0   # (a pipe or a /proc file: up to the cap)
-        while n <= MAX_FILE_BYTES:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            n += len(chunk)
-    data = b"".join(chunks)
+    from .request_profile import read_bytes
+    data = read_bytes(path)
     return data[len(_BOM):] if data.startswith(_BOM) else data
 
 

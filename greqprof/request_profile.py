@@ -44,6 +44,12 @@ def read_json(path):
     ``python -m greqprof view``: ValueError (one line, no traceback
     material) for a file that is too large, not UTF-8, not JSON, holds
     NaN/Infinity, or nests too deeply; OSError when it cannot be read."""
+    return parse_json(read_bytes(path))
+
+
+def read_bytes(path):
+    """The bytes at ``path``, at most MAX_FILE_BYTES + 1 (read_json's
+    read; a pipe too): ValueError for a file known to be larger."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_FILE_BYTES:
@@ -60,7 +66,7 @@ def read_json(path):
                 chunks.append(chunk)
                 n += len(chunk)
             data = b"".join(chunks)
-    return parse_json(data)
+    return data
 
 
 def parse_json(data):
