@@ -49,6 +49,7 @@ def _after_fork_in_child():
     _local.__dict__.clear()
     _fork_generation[0] += 1
     Watchdog.instance = None
+    Watchdog._place_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -405,35 +406,68 @@ def _real_thread_functions():
 
 
 class Watchdog:
-    """An OS thread (never a greenlet, even under monkey-patching) that
-    samples the stack of a greenlet holding the loop too long."""
+    """Samples the stack of a greenlet holding the loop too long, from an
+    OS thread (never a greenlet, even under monkey-patching): the stack
+    sampler's when it ticks at least as often as the watchdog looks (one
+    thread taking the GIL instead of two), else one of its own."""
 
     instance = None
     MAX_STACKS = 256
+    _place_lock = threading.Lock()
 
     def __init__(self, blocking_ns):
         self.period = max(blocking_ns / 3.0, 5e6) * 1e-9
         self.blocking_ns = blocking_ns
         self.running = True
+        self.hosted = False   # its checks run in the sampler's thread
+        self.thread_gen = 0   # its own thread runs while this is its gen
 
     @classmethod
     def ensure(cls, blocking_ns):
         with _engines_lock:
             old = cls.instance
-            # (one thread for the process; a middleware with a lower
-            # threshold than the first one's gets a new one that looks
-            # more often at once, or its blocking spans end before their
-            # stack is taken; the old one ends at its next wake-up)
+            # (one for the process; a middleware with a lower threshold
+            # than the first one's gets a new one that looks more often at
+            # once, or its blocking spans end before their stack is taken;
+            # the old one's thread ends at its next wake-up)
             if old is not None and blocking_ns >= old.blocking_ns:
                 return
-            cls.instance = wd = cls(blocking_ns)
-        start, _ = _real_thread_functions()
-        start(wd._run, ())
+            cls.instance = cls(blocking_ns)
+        cls.replace()
 
-    def _run(self):
+    @classmethod
+    def replace(cls):
+        """Puts the watchdog's checks where they belong now: into the
+        sampler's thread when that ticks often enough, else into a thread
+        of its own (started, or kept)."""
+        from . import sampler
+        with cls._place_lock:
+            wd = cls.instance
+            if wd is None:
+                sampler.host(None, 0)
+                return
+            if sampler.host(wd._hosted_check, int(wd.period * 1e9)):
+                if not wd.hosted:
+                    wd.hosted = True
+                    wd.thread_gen += 1   # (its thread ends)
+                return
+            if wd.hosted or not wd.thread_gen:
+                wd.hosted = False
+                wd.thread_gen += 1
+                start, _ = _real_thread_functions()
+                start(wd._run, (wd.thread_gen,))
+
+    def _hosted_check(self):
+        if Watchdog.instance is self and self.hosted:
+            self.check()
+
+    def _run(self, gen):
         _, sleep = _real_thread_functions()
-        while self.running and Watchdog.instance is self:
+        while self.running and Watchdog.instance is self and \
+                self.thread_gen == gen:
             sleep(self.period)
+            if self.thread_gen != gen:
+                break
             try:
                 self.check()
             except Exception:

@@ -8,6 +8,8 @@
  * caches).  The app's route name (set_route, the Flask and Django hooks)
  * reaches the sampler through sampler_name, which leaves it on the
  * request's note (or its Request, when sampled) as soon as it is known.
+ * The loop also runs the watchdog's check when it ticks at least as
+ * often as the watchdog looks (sampler_host).
  * A part of _hooks.c (one translation unit, see there). */
 #include "hooks.h"
 #include <errno.h>
@@ -67,6 +69,11 @@ static PyObject *smp_no_request, *smp_other, *smp_path_str, *smp_route_str,
 static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
     smp_truncated;
+/* A check the loop runs every smp_host_period ns besides its ticks (the
+ * watchdog's, when the sampler ticks at least as often as it looks: one
+ * thread taking the GIL instead of two; see greqprof/engine.py). */
+static PyObject *smp_host_fn;
+static long long smp_host_period;
 
 static void smp_drop(int i)
 {
@@ -583,6 +590,7 @@ static PyObject *smp_run_py(PyObject *self, PyObject *arg)
         return NULL;
     }
     uint64_t gen = ++smp_gen;
+    long long host_next = 0;
     struct timespec next;
     clock_gettime(CLOCK_MONOTONIC, &next);
     while (gen == smp_gen) {
@@ -598,10 +606,20 @@ static PyObject *smp_run_py(PyObject *self, PyObject *arg)
             break;
         }
         smp_tick();
-        /* Late (the GIL came after a whole period): start again from now
-         * rather than sampling in a burst. */
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
+        long long now_ns = now.tv_sec * 1000000000LL + now.tv_nsec;
+        if (smp_host_fn && now_ns >= host_next) {
+            /* (the first tick at most smp_host_period after this one) */
+            host_next = now_ns + smp_host_period - period;
+            PyObject *fn = Py_NewRef(smp_host_fn);   /* (may be replaced) */
+            PyObject *r = PyObject_CallNoArgs(fn);
+            Py_XDECREF(r);
+            Py_DECREF(fn);
+            PyErr_Clear();
+        }
+        /* Late (the GIL came after a whole period): start again from now
+         * rather than sampling in a burst. */
         long long late = (now.tv_sec - next.tv_sec) * 1000000000LL +
                          (now.tv_nsec - next.tv_nsec);
         if (late > period) {
@@ -629,6 +647,35 @@ static PyObject *smp_reset_py(PyObject *self, PyObject *unused)
     while (smp_n > 0) {
         smp_drop(smp_n - 1);
     }
+    Py_CLEAR(smp_host_fn);
+    Py_RETURN_NONE;
+}
+
+/* sampler_host(fn, period_ns): the loop calls fn() (GIL held, errors
+ * ignored) at most every period_ns, on its ticks; sampler_host(None, 0)
+ * stops it. */
+static PyObject *smp_host_py(PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs)
+{
+    (void)self;
+    if (want_args(nargs, 2, "sampler_host") < 0) {
+        return NULL;
+    }
+    long long period = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (args[0] == Py_None) {
+        Py_CLEAR(smp_host_fn);
+        Py_RETURN_NONE;
+    }
+    if (!PyCallable_Check(args[0]) || period < 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "sampler_host: a callable and a period >= 0");
+        return NULL;
+    }
+    Py_XSETREF(smp_host_fn, Py_NewRef(args[0]));
+    smp_host_period = period;
     Py_RETURN_NONE;
 }
 
@@ -656,6 +703,8 @@ static PyMethodDef smp_defs[] = {
      "Ends the sampler's loop (internal)."},
     {"sampler_reset", (PyCFunction)smp_reset_py, METH_NOARGS,
      "Forgets the watched threads (internal)."},
+    {"sampler_host", (PyCFunction)(void (*)(void))smp_host_py,
+     METH_FASTCALL, "Runs a check on the sampler's ticks (internal)."},
     {"sampler_stats", (PyCFunction)smp_stats_py, METH_NOARGS,
      "The sampler's counters (internal)."},
     {NULL, NULL, 0, NULL},

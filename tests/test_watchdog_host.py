@@ -1,0 +1,129 @@
+"""The watchdog's checks run in the stack sampler's thread when it ticks at
+least as often as the watchdog looks (one thread taking the GIL instead of
+two), in a thread of their own otherwise; either way a blocking span's
+stack is captured while it runs."""
+import _thread
+import time
+
+import pytest
+
+from greqprof import engine, sampler
+from test_middleware import serve  # noqa: F401
+from test_middleware import ok, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def fresh_watchdog(monkeypatch):
+    """No watchdog or sampler left by earlier tests; check() callers are
+    recorded by thread."""
+    sampler.stop()
+    engine.Watchdog.instance = None
+    engine.Watchdog.replace()
+    callers = []
+    real_check = engine.Watchdog.check
+
+    def check(self):
+        callers.append(_thread.get_ident())
+        return real_check(self)
+    monkeypatch.setattr(engine.Watchdog, "check", check)
+    yield callers
+    sampler.stop()
+    engine.Watchdog.instance = None
+    engine.Watchdog.replace()
+
+
+def burn_hosted(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def blocking_app(environ, start_response):
+    burn_hosted(0.25)
+    return ok()(environ, start_response)
+
+
+def captured(s, path):
+    p = s.profile_for(path)
+    stacks = [ev.sampled_stack or "" for ev in p.blocking]
+    return any("burn_hosted" in st for st in stacks), stacks
+
+
+def test_hosted_by_the_sampler(serve, fresh_watchdog, monkeypatch):
+    sampler_threads = []
+    real_run = sampler._run
+
+    def run(period_ns):
+        sampler_threads.append(_thread.get_ident())
+        return real_run(period_ns)
+    monkeypatch.setattr(sampler, "_run", run)
+    s = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
+    assert s.get("/warm").status == 200
+    wd = engine.Watchdog.instance
+    assert wd is not None and wd.hosted
+    time.sleep(0.1)   # (its own thread, if one started first, has ended)
+    del fresh_watchdog[:]
+    assert s.get("/block").status == 200
+    found, stacks = captured(s, "/block")
+    assert found, stacks
+    # every check since ran in the sampler's one thread
+    assert set(fresh_watchdog) == {sampler_threads[-1]}, \
+        (set(fresh_watchdog), sampler_threads)
+
+
+def test_own_thread_without_the_sampler(serve, fresh_watchdog):
+    s = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=0)
+    assert s.get("/warm").status == 200
+    wd = engine.Watchdog.instance
+    assert wd is not None and not wd.hosted
+    assert s.get("/block").status == 200
+    found, stacks = captured(s, "/block")
+    assert found, stacks
+    assert len(set(fresh_watchdog)) == 1
+
+
+def test_a_threshold_below_the_tick_keeps_its_thread(serve, fresh_watchdog):
+    # blocking_ms=9: the watchdog looks every 5 ms, the sampler ticks
+    # every 10 ms
+    s = serve(blocking_app, pct=1.0, blocking_ms=9, stack_hz=100)
+    assert s.get("/warm").status == 200
+    assert sampler.rate() == 100
+    wd = engine.Watchdog.instance
+    assert wd is not None and not wd.hosted
+    del fresh_watchdog[:]
+    assert s.get("/block").status == 200
+    found, stacks = captured(s, "/block")
+    assert found, stacks
+    assert len(set(fresh_watchdog)) == 1   # (one thread of its own)
+
+
+def test_stopping_the_sampler_gives_the_thread_back(serve, fresh_watchdog):
+    s = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
+    assert s.get("/warm").status == 200
+    wd = engine.Watchdog.instance
+    assert wd.hosted
+    sampler.stop()
+    assert not wd.hosted and engine.Watchdog.instance is wd
+    del fresh_watchdog[:]
+    wait_for(lambda: fresh_watchdog, 2.0, "a check from the watchdog's thread")
+    assert s.get("/block").status == 200
+    found, stacks = captured(s, "/block")
+    assert found, stacks
+    assert len(set(fresh_watchdog)) == 1
+
+
+def test_a_lower_threshold_moves_the_check(serve, fresh_watchdog):
+    s = serve(blocking_app, pct=1.0, blocking_ms=150, stack_hz=100)
+    assert s.get("/warm").status == 200
+    first = engine.Watchdog.instance
+    assert first.hosted
+    s2 = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
+    assert s2.get("/warm").status == 200
+    second = engine.Watchdog.instance
+    assert second is not first and second.hosted
+    assert second.blocking_ns == 60 * 10**6
+    assert s2.get("/block").status == 200
+    found, stacks = captured(s2, "/block")
+    assert found, stacks
