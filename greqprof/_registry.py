@@ -22,6 +22,9 @@ names = {}
 #: thread ident -> the id of that thread's gevent hub, once the hooks saw
 #: it run (the watchdog does not take the hub's wait for blocking)
 hub_ids = {}
+#: [pid, period ns] of the stack sampler's loop running now (0: none):
+#: the watchdog's checks move there when it ticks often enough
+sampler_tick = [0, 0]
 #: attach(hooks_address, greenlet, profile_address): attaches a greenlet
 #: of the hooks' thread to a profile (0: detaches) and returns its id (a C
 #: function, see _hooks.c)

@@ -405,6 +405,22 @@ def _real_thread_functions():
     return start, sleep
 
 
+def _sampler_hosts(check, period_ns):
+    """Has the stack sampler's loop run check() at most every period_ns,
+    on its ticks, when it ticks at least that often (True); else runs no
+    check there (False)."""
+    host = getattr(_registry, "sampler_host", None)   # (sampler.py's C)
+    pid, tick = _registry.sampler_tick
+    if host is None:
+        return False
+    if check is not None and tick and pid == os.getpid() and \
+            tick <= period_ns:
+        host(check, period_ns)
+        return True
+    host(None, 0)
+    return False
+
+
 class Watchdog:
     """Samples the stack of a greenlet holding the loop too long, from an
     OS thread (never a greenlet, even under monkey-patching): the stack
@@ -440,13 +456,12 @@ class Watchdog:
         """Puts the watchdog's checks where they belong now: into the
         sampler's thread when that ticks often enough, else into a thread
         of its own (started, or kept)."""
-        from . import sampler
         with cls._place_lock:
             wd = cls.instance
             if wd is None:
-                sampler.host(None, 0)
+                _sampler_hosts(None, 0)
                 return
-            if sampler.host(wd._hosted_check, int(wd.period * 1e9)):
+            if _sampler_hosts(wd._hosted_check, int(wd.period * 1e9)):
                 if not wd.hosted:
                     wd.hosted = True
                     wd.thread_gen += 1   # (its thread ends)

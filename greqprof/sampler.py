@@ -107,21 +107,9 @@ def watch(eng, hz):
             _state["hz"] = hz
             start, _ = _real_start()
             start(_run, (int(1e9 / hz),))
+            _registry.sampler_tick[:] = [pid, int(1e9 / hz)]
     if started:
         _watchdog_replace()
-
-
-def host(check, period_ns):
-    """Runs check() in the sampler's thread at most every period_ns, on its
-    ticks, when it ticks at least that often (True); else runs no check
-    there (False).  The watchdog's way to need no thread of its own."""
-    with _lock:
-        hz = _state["hz"] if _state["pid"] == os.getpid() else 0
-        if hz and int(1e9 / hz) <= period_ns:
-            _registry.sampler_host(check, period_ns)
-            return True
-        _registry.sampler_host(None, 0)
-        return False
 
 
 def _watchdog_replace():
@@ -171,6 +159,7 @@ def stop():
         _state.update(hz=0, pid=None)
         watched.clear()
         _registry.sampler_reset()
+        _registry.sampler_tick[:] = [0, 0]
     _watchdog_replace()   # (a check it ran goes back to a thread)
 
 
@@ -190,6 +179,7 @@ def _after_fork_in_child():
     global _lock
     _lock = threading.Lock()   # (maybe held by a thread now gone)
     _registry.sampler_reset()
+    _registry.sampler_tick[:] = [0, 0]
     _state.update(hz=0, pid=None)
     watched.clear()
     reset()
