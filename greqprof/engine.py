@@ -470,7 +470,11 @@ class Watchdog:
                 wd.hosted = False
                 wd.thread_gen += 1
                 start, _ = _real_thread_functions()
-                start(wd._run, (wd.thread_gen,))
+                try:
+                    start(wd._run, (wd.thread_gen,))
+                except BaseException:
+                    wd.thread_gen = 0   # (the next replace tries again)
+                    raise
 
     def _hosted_check(self):
         if Watchdog.instance is self and self.hosted:

@@ -452,7 +452,7 @@ class Inspector:
         from . import sampler
         route = parse_qs(environ.get("QUERY_STRING", "")).get(
             "route", [None])[0]
-        period = sampler.period_ns() or int(1e9 / self.stack_hz)
+        period = sampler.period_ns() or sampler.period_of(self.stack_hz)
         if fmt == "pprof":
             data = sampler.pprof_bytes(period, route)[0]
             ctype, name = "application/octet-stream", "greqprof-stacks.pb.gz"

@@ -385,7 +385,8 @@ class ProfilingMiddleware(_registry.MiddlewareBase):
             raise ConfigError("write_pprof: stack_hz is off for this "
                               "middleware (stack_hz=%r)" % (self._stack_hz,))
         return sampler.write_pprof(path, sampler.period_ns()
-                                   or int(1e9 / self._stack_hz), route)
+                                   or sampler.period_of(self._stack_hz),
+                                   route)
 
     def __repr__(self):
         # Never show the trigger secret.

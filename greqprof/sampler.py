@@ -88,6 +88,17 @@ class _Table:
 _table = _Table()
 
 
+#: the longest period the loop takes (a stack_hz as low as config allows
+#: samples about twice a month)
+MAX_PERIOD_NS = 10 ** 15
+
+
+def period_of(hz):
+    """The sampling period (ns) of hz samples per second (hz > 0)."""
+    p = 1e9 / hz
+    return MAX_PERIOD_NS if p >= MAX_PERIOD_NS else max(1, int(p))
+
+
 def watch(eng, hz):
     """Samples the calling thread (eng's, the engine of a middleware with
     stack_hz=hz) from now on; starts the sampler thread (again after a
@@ -103,11 +114,15 @@ def watch(eng, hz):
         started = hz > _state["hz"]
         if started:
             if _state["hz"]:
-                _rate_changes(int(1e9 / _state["hz"]))
+                _rate_changes(period_of(_state["hz"]))
             _state["hz"] = hz
+            period = period_of(hz)
+            # (the loop runs while this generation is the last one asked
+            # for: of two started back to back, the later one's rate wins)
+            gen = _registry.sampler_stop()
             start, _ = _real_start()
-            start(_run, (int(1e9 / hz),))
-            _registry.sampler_tick[:] = [pid, int(1e9 / hz)]
+            start(_run, (period, gen))
+            _registry.sampler_tick[:] = [pid, period]
     if started:
         _watchdog_replace()
 
@@ -138,7 +153,7 @@ def _rate_changes(old_period_ns):
 def period_ns():
     """The sampling period now (0: the sampler is off)."""
     hz = _state["hz"]
-    return int(1e9 / hz) if hz else 0
+    return period_of(hz) if hz else 0
 
 
 def _real_start():
@@ -146,11 +161,17 @@ def _real_start():
     return _real_thread_functions()
 
 
-def _run(period_ns):
+def _run(period_ns, gen):
     try:
-        _registry.sampler_run(period_ns)   # (until stopped or replaced)
+        _registry.sampler_run(period_ns, gen)   # (until stopped or replaced)
     except BaseException:
-        pass
+        # (no loop runs: a watchdog's check it was to run needs a thread)
+        try:
+            if _registry.sampler_tick[1] == period_ns:
+                _registry.sampler_tick[:] = [0, 0]
+            _watchdog_replace()
+        except BaseException:
+            pass
 
 
 def stop():

@@ -55,9 +55,9 @@ def test_hosted_by_the_sampler(serve, fresh_watchdog, monkeypatch):
     sampler_threads = []
     real_run = sampler._run
 
-    def run(period_ns):
+    def run(period_ns, gen):
         sampler_threads.append(_thread.get_ident())
-        return real_run(period_ns)
+        return real_run(period_ns, gen)
     monkeypatch.setattr(sampler, "_run", run)
     s = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
     assert s.get("/warm").status == 200
@@ -126,4 +126,86 @@ def test_a_lower_threshold_moves_the_check(serve, fresh_watchdog):
     assert second.blocking_ns == 60 * 10**6
     assert s2.get("/block").status == 200
     found, stacks = captured(s2, "/block")
+    assert found, stacks
+
+
+def test_a_lower_threshold_is_checked_at_once(serve, fresh_watchdog):
+    # the first watchdog looks every 10 s: the second one's check must not
+    # wait for the first one's next turn
+    s = serve(blocking_app, pct=1.0, blocking_ms=30000, stack_hz=100)
+    assert s.get("/warm").status == 200
+    assert engine.Watchdog.instance.hosted
+    s2 = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
+    assert s2.get("/warm").status == 200
+    assert engine.Watchdog.instance.hosted
+    assert s2.get("/block").status == 200
+    found, stacks = captured(s2, "/block")
+    assert found, stacks
+
+
+def test_two_rates_back_to_back_the_later_wins(serve, fresh_watchdog):
+    import gevent
+    s = serve(blocking_app, pct=0, blocking_ms=30, stack_hz=0)
+    assert s.get("/warm").status == 200
+    eng = engine._local.engine
+    sampler.watch(eng, 10)
+    sampler.watch(eng, 1000)   # (its loop may start before the first's)
+    assert sampler.rate() == 1000 and engine.Watchdog.instance.hosted
+    gevent.sleep(0.3)
+    ticks = sampler.stats()["ticks"]
+    gevent.sleep(0.5)
+    # at 10 Hz, 5 ticks; at 1000 Hz (slowed by this busy process) many more
+    assert sampler.stats()["ticks"] - ticks > 50
+
+
+def test_a_loop_that_fails_gives_the_check_back(serve, fresh_watchdog,
+                                                monkeypatch):
+    def run(period_ns, gen):
+        raise RuntimeError("no loop")
+    monkeypatch.setattr(sampler._registry, "sampler_run", run)
+    s = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
+    assert s.get("/warm").status == 200
+    wait_for(lambda: not engine.Watchdog.instance.hosted, 2.0,
+             "the check back in a thread of its own")
+    assert s.get("/block").status == 200
+    found, stacks = captured(s, "/block")
+    assert found, stacks
+
+
+def test_the_lowest_rate_still_runs_a_loop():
+    from greqprof import _registry
+    assert sampler.period_of(100) == 10 ** 7
+    assert sampler.period_of(1e-300) == sampler.MAX_PERIOD_NS
+    assert sampler.period_of(0.001) == 10 ** 12
+    # (a stale generation: returns at once, the period is not refused)
+    stale = _registry.sampler_stop() - 1
+    assert _registry.sampler_run(sampler.MAX_PERIOD_NS, stale) is None
+    with pytest.raises(ValueError, match="period out of range"):
+        _registry.sampler_run(sampler.MAX_PERIOD_NS + 1, stale)
+
+
+def test_a_thread_that_failed_to_start_is_started_later(serve, fresh_watchdog,
+                                                        monkeypatch):
+    s = serve(blocking_app, pct=1.0, blocking_ms=60, stack_hz=100)
+    assert s.get("/warm").status == 200
+    wd = engine.Watchdog.instance
+    assert wd.hosted
+    real = engine._real_thread_functions
+
+    def failing():
+        _, sleep = real()
+
+        def start(fn, args):
+            raise RuntimeError("can't start new thread")
+        return start, sleep
+    monkeypatch.setattr(engine, "_real_thread_functions", failing)
+    with pytest.raises(RuntimeError):
+        sampler.stop()
+    monkeypatch.setattr(engine, "_real_thread_functions", real)
+    engine.Watchdog.replace()
+    assert not wd.hosted and wd.thread_gen
+    del fresh_watchdog[:]
+    wait_for(lambda: fresh_watchdog, 2.0, "a check from the watchdog's thread")
+    assert s.get("/block").status == 200
+    found, stacks = captured(s, "/block")
     assert found, stacks

@@ -74,6 +74,7 @@ static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
  * thread taking the GIL instead of two; see greqprof/engine.py). */
 static PyObject *smp_host_fn;
 static long long smp_host_period;
+static uint64_t smp_host_ver;      /* bumped by sampler_host: check at once */
 
 static void smp_drop(int i)
 {
@@ -574,23 +575,28 @@ static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
-/* sampler_run(period_ns): the sampler thread's loop, until sampler_stop
- * (or another sampler_run) is called; the GIL is released while it
- * sleeps. */
-static PyObject *smp_run_py(PyObject *self, PyObject *arg)
+/* sampler_run(period_ns, gen): the sampler thread's loop, while gen (from
+ * sampler_stop) is the last generation asked for; the GIL is released
+ * while it sleeps. */
+static PyObject *smp_run_py(PyObject *self, PyObject *const *args,
+                            Py_ssize_t nargs)
 {
     (void)self;
-    long long period = PyLong_AsLongLong(arg);
+    if (want_args(nargs, 2, "sampler_run") < 0) {
+        return NULL;
+    }
+    long long period = PyLong_AsLongLong(args[0]);
+    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
     if (PyErr_Occurred()) {
         return NULL;
     }
-    if (period < 100000 || period > 60000000000LL) {
+    if (period < 100000 || period > 1000000000000000LL) {
         PyErr_SetString(PyExc_ValueError,
                         "sampler_run: period out of range");
         return NULL;
     }
-    uint64_t gen = ++smp_gen;
     long long host_next = 0;
+    uint64_t host_ver = smp_host_ver;
     struct timespec next;
     clock_gettime(CLOCK_MONOTONIC, &next);
     while (gen == smp_gen) {
@@ -609,6 +615,10 @@ static PyObject *smp_run_py(PyObject *self, PyObject *arg)
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
         long long now_ns = now.tv_sec * 1000000000LL + now.tv_nsec;
+        if (host_ver != smp_host_ver) {
+            host_ver = smp_host_ver;   /* (a new check, or a new period) */
+            host_next = 0;
+        }
         if (smp_host_fn && now_ns >= host_next) {
             /* (the first tick at most smp_host_period after this one) */
             host_next = now_ns + smp_host_period - period;
@@ -629,13 +639,13 @@ static PyObject *smp_run_py(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* sampler_stop(): the running loop ends after its sleep. */
+/* sampler_stop(): the running loop ends after its sleep; returns the
+ * new generation (for the next sampler_run). */
 static PyObject *smp_stop_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    smp_gen++;
-    Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(++smp_gen);
 }
 
 /* sampler_reset(): no thread watched (after a fork, in the child). */
@@ -676,6 +686,7 @@ static PyObject *smp_host_py(PyObject *self, PyObject *const *args,
     }
     Py_XSETREF(smp_host_fn, Py_NewRef(args[0]));
     smp_host_period = period;
+    smp_host_ver++;
     Py_RETURN_NONE;
 }
 
@@ -697,7 +708,7 @@ static PyMethodDef smp_defs[] = {
      "Names the route of the calling greenlet's request (internal)."},
     {"sampler_setup", (PyCFunction)(void (*)(void))smp_setup_py,
      METH_FASTCALL, "Sets where samples are counted (internal)."},
-    {"sampler_run", (PyCFunction)smp_run_py, METH_O,
+    {"sampler_run", (PyCFunction)(void (*)(void))smp_run_py, METH_FASTCALL,
      "The sampler thread's loop (internal)."},
     {"sampler_stop", (PyCFunction)smp_stop_py, METH_NOARGS,
      "Ends the sampler's loop (internal)."},
