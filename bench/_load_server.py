@@ -390,12 +390,18 @@ def build(config, rows=DEFAULT_ROWS):
                                "monitor": _monitor_running(),
                                # (read each time: reading folds in
                                # what the C path counted)
-                               "middleware": _stats_of(wrapped)}).encode()
+                               "middleware": _stats_of(wrapped),
+                               "sampler": _sampler_stats()}).encode()
             start_response("200 OK", [("Content-Type", "application/json"),
                                       ("Content-Length", str(len(body)))])
             return [body]
         return wrapped(environ, start_response)
     return outer
+
+
+def _sampler_stats():
+    mod = sys.modules.get("greqprof.sampler")
+    return mod.stats() if mod is not None else None
 
 
 def _server_class():

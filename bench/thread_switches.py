@@ -11,9 +11,11 @@ sampler, the watchdog) on the shared CPU.
                                                             # built in place
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,6 +63,9 @@ def main():
             before = snap(p.pid)
             rps = wrk(port, a.seconds)
             after = snap(p.pid)
+            with urllib.request.urlopen("http://127.0.0.1:%d/__stats"
+                                        % port) as r:
+                smp = json.loads(r.read()).get("sampler")
         finally:
             p.terminate()
             p.wait()
@@ -72,6 +77,8 @@ def main():
             print("  %-8s %s cpu %.0f%%  voluntary %.0f  involuntary %.0f"
                   % (t, "(serving)" if t == str(p.pid) else "         ",
                      d[0], d[1], d[2]))
+        if smp:
+            print("  sampler since start: %s" % smp)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,10 @@ def reset():
 
 def stats():
     """The sampler's counters: ticks, samples, idle (the hub ran),
-    skipped, truncated (counted under <other>), threads watched."""
+    idle_unlocked (of those, ticks that found the hub without taking the
+    GIL), moved (samples taken after the greenlet running at the tick had
+    switched out), skipped, truncated (counted under <other>), threads
+    watched."""
     return _registry.sampler_stats()
 
 

@@ -599,3 +599,44 @@ def test_a_hook_taken_out_without_chaining_stops_attribution(
     assert after["ticks"] > before["ticks"] + 5, (before, after)
     assert after["samples"] == before["samples"], (before, after)
     assert after["skipped"] > before["skipped"], (before, after)
+
+
+def _hold_gil(seconds):
+    """Keeps the GIL for about seconds in C (a builtin sum over a range
+    checks nothing between items), whatever else wants it."""
+    n = 10 ** 6
+    t = time.perf_counter()
+    sum(range(n))
+    per = max(time.perf_counter() - t, 1e-6) / n
+    sum(range(int(seconds / per)))
+
+
+def test_a_tick_while_every_thread_waits_takes_no_gil(fresh_sampler):
+    # The serving thread waits in its hub: the sampler's loop counts its
+    # ticks idle from what the thread's hooks last said, without the GIL,
+    # so it goes on ticking while this thread keeps the GIL in C.  (No
+    # watchdog: its check takes the GIL at least every other period.)
+    engine.Watchdog.instance = None   # (one an earlier test left)
+    engine.Watchdog.replace()
+    mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=HZ,
+                             watchdog=False)
+    ports, stop = [], threading.Event()
+    t = _serve_in_thread(mw, ports, stop)
+    try:
+        wait_for(lambda: ports, 10, "the server")
+        load(ports, ["/cpu/%d"] * 2, clients=1)
+        assert sampler.stats()["threads"] == 1
+        time.sleep(0.3)   # (a tick under the GIL has seen its hub)
+        before = sampler.stats()
+        t0 = time.monotonic()
+        _hold_gil(0.5)
+        held = time.monotonic() - t0
+        after = sampler.stats()
+        assert held >= 0.2, held
+        ticks = after["ticks"] - before["ticks"]
+        assert ticks >= held * HZ * 0.3, (ticks, held, before, after)
+        assert after["idle"] - before["idle"] >= ticks - 2
+        assert after["samples"] == before["samples"]
+    finally:
+        stop.set()
+        t.join(10)

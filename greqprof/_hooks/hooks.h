@@ -8,11 +8,21 @@
 
 #include <Python.h>
 #include <frameobject.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "_compat.h"
 
 #include "greqprof.h"
+
+/* What the stack sampler's loop reads of a watched thread without the GIL
+ * (sampler.c): the greenlet running there, written at each switch, and
+ * its hub.  Slots are static: a stale read is harmless, never a freed
+ * one. */
+typedef struct gqp_smp_beacon {
+    _Atomic uint64_t key;      /* 0: not known (the loop takes the GIL) */
+    _Atomic uint64_t hub_key;
+} gqp_smp_beacon;
 
 /* greenlets switched out in greqprof's own work, per thread (calls.c) */
 #define GQP_OWN_PARK 8
@@ -43,6 +53,7 @@ typedef struct gqp_py_thread {
     struct gqp_note *notes;    /* requests of live greenlets (_fastpath.c) */
     int open_profiles;         /* sampled profiles open (_sampled.c) */
     int busy;                  /* hooks running on it (st_enter) */
+    gqp_smp_beacon *beacon;    /* when the stack sampler watches it */
     int orphan;                /* freed while busy: the last st_leave frees */
     /* greqprof's own work (calls.c): the running greenlet's, and those of
      * greenlets that switched out in it */

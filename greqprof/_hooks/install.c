@@ -266,6 +266,9 @@ static int gqp_py_thread_stop(gqp_py_thread *st)
         goto out;
     }
     st->active = 0;
+    if (st->beacon) {
+        atomic_store(&st->beacon->key, 0);
+    }
     int own = gqp__tls == st;
     if (own) {
         if (st->profile_installed) {

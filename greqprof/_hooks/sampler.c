@@ -1,5 +1,7 @@
 /* _hooks/sampler.c -- the stack sampler (stack_hz): a Python thread of its
- * own runs sampler_run, which sleeps without the GIL and then, holding it,
+ * own runs sampler_run, which sleeps without the GIL, reads (still
+ * without it) which greenlet each watched thread's switch hook last
+ * switched to, and unless all of them are in their hubs, holding the GIL,
  * looks at each watched serving thread once per tick: the greenlet running
  * there (the tracer's current one), its request's route, and its Python
  * stack, counted per (route, stack) in the dicts greqprof/sampler.py made.
@@ -27,7 +29,15 @@ typedef struct {
 
 static gqp_smp_watch smp_watched[GQP_SMP_THREADS];
 static int smp_n;
-static uint64_t smp_gen;          /* bumped by stop/reset: a loop ends */
+/* smp_watched[i]'s thread's beacon (hooks.h), and smp_n, for the loop to
+ * read without the GIL: a tick at which every watched thread runs its hub
+ * takes no GIL (about half of them on a busy server, whose hub holds the
+ * GIL while it runs; taking it cost the serving thread a forced switch). */
+static gqp_smp_beacon smp_beacons[GQP_SMP_THREADS];
+static uint64_t smp_tick_key[GQP_SMP_THREADS];   /* what ran at the tick */
+static atomic_int smp_watching;
+static atomic_uint_fast64_t smp_gen;   /* bumped by stop/reset: a loop
+                                        * ends */
 /* Set by sampler_setup (greqprof/sampler.py's table): */
 typedef struct {
     PyObject *counts;     /* (route, stack id) -> samples */
@@ -68,18 +78,36 @@ static PyObject *smp_no_request, *smp_other, *smp_path_str, *smp_route_str,
     *smp_final_str, *smp_greenlet_str;
 static Py_ssize_t smp_max_stacks, smp_max_keys, smp_max_frames;
 static unsigned long long smp_ticks, smp_samples, smp_idle, smp_skipped,
-    smp_truncated;
+    smp_truncated, smp_idle_nogil, smp_moved;
 /* A check the loop runs every smp_host_period ns besides its ticks (the
  * watchdog's, when the sampler ticks at least as often as it looks: one
  * thread taking the GIL instead of two; see greqprof/engine.py). */
 static PyObject *smp_host_fn;
 static long long smp_host_period;
-static uint64_t smp_host_ver;      /* bumped by sampler_host: check at once */
+static atomic_uint_fast64_t smp_host_ver;   /* bumped by sampler_host:
+                                              * check at once */
+static atomic_int smp_host_on;               /* smp_host_fn is set */
 
 static void smp_drop(int i)
 {
     gqp_smp_watch w = smp_watched[i];
+    gqp_py_thread *st = ((gqp_hookref *)w.ref)->st;
+    if (st) {
+        st->beacon = NULL;
+    }
     smp_watched[i] = smp_watched[--smp_n];
+    /* (the last entry moves to i, with its beacon: its thread's hooks run
+     * with the GIL held, as this does, so none writes meanwhile) */
+    atomic_store(&smp_beacons[i].key, atomic_load(&smp_beacons[smp_n].key));
+    atomic_store(&smp_beacons[i].hub_key,
+                 atomic_load(&smp_beacons[smp_n].hub_key));
+    gqp_py_thread *moved = i < smp_n
+        ? ((gqp_hookref *)smp_watched[i].ref)->st : NULL;
+    if (moved) {
+        moved->beacon = &smp_beacons[i];
+    }
+    atomic_store(&smp_beacons[smp_n].key, 0);
+    atomic_store(&smp_watching, smp_n);
     Py_XDECREF(w.ref);
     Py_XDECREF(w.by_addr);
 }
@@ -418,6 +446,14 @@ static int smp_sample(int i)
         smp_skipped++;
         return 0;
     }
+    if (smp_tick_key[i] && smp_tick_key[i] != key) {
+        smp_moved++;
+    }
+    if (st->beacon) {
+        /* (the hooks keep it from now on) */
+        atomic_store(&st->beacon->hub_key, st->hub_key);
+        atomic_store(&st->beacon->key, key);
+    }
     if (key == st->hub_key) {
         smp_idle++;   /* the hub: waiting for I/O or running callbacks */
         return 0;
@@ -489,7 +525,6 @@ static int smp_sample(int i)
 
 static void smp_tick(void)
 {
-    smp_ticks++;
     if (!smp_tab.counts) {
         return;
     }
@@ -530,7 +565,11 @@ static PyObject *smp_watch_py(PyObject *self, PyObject *const *args,
     smp_watched[smp_n].ref = Py_NewRef(st->ref);
     smp_watched[smp_n].by_addr = Py_NewRef(args[1]);
     smp_watched[smp_n].ts_id = id;
+    atomic_store(&smp_beacons[smp_n].key, 0);
+    atomic_store(&smp_beacons[smp_n].hub_key, 0);
+    st->beacon = &smp_beacons[smp_n];
     smp_n++;
+    atomic_store(&smp_watching, smp_n);
     Py_RETURN_TRUE;
 }
 
@@ -599,34 +638,64 @@ static PyObject *smp_run_py(PyObject *self, PyObject *const *args,
     uint64_t host_ver = smp_host_ver;
     struct timespec next;
     clock_gettime(CLOCK_MONOTONIC, &next);
-    while (gen == smp_gen) {
+    PyThreadState *save = PyEval_SaveThread();
+    while (gen == atomic_load(&smp_gen)) {
         next.tv_nsec += period % 1000000000LL;
         next.tv_sec += period / 1000000000LL + next.tv_nsec / 1000000000L;
         next.tv_nsec %= 1000000000L;
-        Py_BEGIN_ALLOW_THREADS
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &next, NULL)
                == EINTR) {
         }
-        Py_END_ALLOW_THREADS
-        if (gen != smp_gen) {
+        if (gen != atomic_load(&smp_gen)) {
             break;
         }
-        smp_tick();
+        smp_ticks++;
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
         long long now_ns = now.tv_sec * 1000000000LL + now.tv_nsec;
-        if (host_ver != smp_host_ver) {
-            host_ver = smp_host_ver;   /* (a new check, or a new period) */
+        /* Each watched thread running its hub (as its hooks last said):
+         * counted idle without the GIL. */
+        int n = atomic_load(&smp_watching), in_hub = 0;
+        for (int i = 0; i < n; i++) {
+            uint64_t k = atomic_load_explicit(&smp_beacons[i].key,
+                                              memory_order_relaxed);
+            smp_tick_key[i] = k;
+            in_hub += k && k == atomic_load_explicit(&smp_beacons[i].hub_key,
+                                                     memory_order_relaxed);
+        }
+        if (host_ver != atomic_load(&smp_host_ver)) {
+            host_ver = atomic_load(&smp_host_ver);   /* (a new check or
+                                                      * period) */
             host_next = 0;
         }
-        if (smp_host_fn && now_ns >= host_next) {
-            /* (the first tick at most smp_host_period after this one) */
-            host_next = now_ns + smp_host_period - period;
-            PyObject *fn = Py_NewRef(smp_host_fn);   /* (may be replaced) */
-            PyObject *r = PyObject_CallNoArgs(fn);
-            Py_XDECREF(r);
-            Py_DECREF(fn);
-            PyErr_Clear();
+        /* The watchdog's check waits for a tick that takes the GIL anyway
+         * (a watched thread out of its hub: the one place a watched
+         * thread can block) up to a period late; then it takes it itself
+         * (other engines' threads, not watched here). */
+        int host_due = atomic_load(&smp_host_on) && now_ns >= host_next;
+        int gil = in_hub < n ||
+                  (host_due && (n == 0 || now_ns >= host_next +
+                                                   smp_host_period));
+        if (!gil) {
+            smp_idle += (unsigned long long)n;
+            smp_idle_nogil += (unsigned long long)n;
+        } else {
+            PyEval_RestoreThread(save);
+            if (gen == atomic_load(&smp_gen)) {
+                smp_tick();
+            }
+            if (smp_host_fn && now_ns >= host_next &&
+                gen == atomic_load(&smp_gen)) {
+                /* (the first tick at most smp_host_period after this) */
+                host_next = now_ns + smp_host_period - period;
+                PyObject *fn = Py_NewRef(smp_host_fn);   /* (may change) */
+                PyObject *r = PyObject_CallNoArgs(fn);
+                Py_XDECREF(r);
+                Py_DECREF(fn);
+                PyErr_Clear();
+            }
+            save = PyEval_SaveThread();
+            clock_gettime(CLOCK_MONOTONIC, &now);
         }
         /* Late (the GIL came after a whole period): start again from now
          * rather than sampling in a burst. */
@@ -636,6 +705,7 @@ static PyObject *smp_run_py(PyObject *self, PyObject *const *args,
             next = now;
         }
     }
+    PyEval_RestoreThread(save);
     Py_RETURN_NONE;
 }
 
@@ -657,6 +727,7 @@ static PyObject *smp_reset_py(PyObject *self, PyObject *unused)
     while (smp_n > 0) {
         smp_drop(smp_n - 1);
     }
+    atomic_store(&smp_host_on, 0);
     Py_CLEAR(smp_host_fn);
     Py_RETURN_NONE;
 }
@@ -676,6 +747,7 @@ static PyObject *smp_host_py(PyObject *self, PyObject *const *args,
         return NULL;
     }
     if (args[0] == Py_None) {
+        atomic_store(&smp_host_on, 0);
         Py_CLEAR(smp_host_fn);
         Py_RETURN_NONE;
     }
@@ -687,6 +759,7 @@ static PyObject *smp_host_py(PyObject *self, PyObject *const *args,
     Py_XSETREF(smp_host_fn, Py_NewRef(args[0]));
     smp_host_period = period;
     smp_host_ver++;
+    atomic_store(&smp_host_on, 1);
     Py_RETURN_NONE;
 }
 
@@ -695,9 +768,10 @@ static PyObject *smp_stats_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{sKsKsKsKsKsi}", "ticks", smp_ticks,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsi}", "ticks", smp_ticks,
                          "samples", smp_samples, "idle", smp_idle,
                          "skipped", smp_skipped, "truncated", smp_truncated,
+                         "idle_unlocked", smp_idle_nogil, "moved", smp_moved,
                          "threads", smp_n);
 }
 

@@ -72,6 +72,10 @@ static void st_release(gqp_py_thread *st)
      * they go on forwarding to what they had replaced. */
     gqp_hookref *ref = (gqp_hookref *)st->ref;
     ref->st = NULL;
+    if (st->beacon) {
+        atomic_store(&st->beacon->key, 0);   /* (the loop looks again) */
+        st->beacon = NULL;
+    }
     Py_XSETREF(ref->fwd_trace, st->prev_trace);
     ref->fwd_prof = st->prev_prof;
     Py_XSETREF(ref->fwd_prof_obj, st->prev_prof_obj);

@@ -142,6 +142,11 @@ static PyObject *gqp__trace(PyObject *self, PyObject *const *args,
         int ev = gqp_tracer_switch(st->tracer, (uint64_t)(uintptr_t)origin,
                                    (uint64_t)(uintptr_t)target,
                                    dead ? GQP_SWITCH_FROM_DEAD : 0);
+        if (st->beacon) {
+            atomic_store_explicit(&st->beacon->key,
+                                  (uint64_t)(uintptr_t)target,
+                                  memory_order_relaxed);
+        }
         if (dead_id) {
             forget_later(dead_id);
         }
