@@ -611,15 +611,18 @@ def _hold_gil(seconds):
     sum(range(int(seconds / per)))
 
 
-def test_a_tick_while_every_thread_waits_takes_no_gil(fresh_sampler):
+@pytest.mark.parametrize("watchdog", [False, True])
+def test_a_tick_while_every_thread_waits_takes_no_gil(fresh_sampler,
+                                                      watchdog):
     # The serving thread waits in its hub: the sampler's loop counts its
     # ticks idle from what the thread's hooks last said, without the GIL,
-    # so it goes on ticking while this thread keeps the GIL in C.  (No
-    # watchdog: its check takes the GIL at least every other period.)
+    # so it goes on ticking while this thread keeps the GIL in C.  The
+    # watchdog's check it carries is not needed either: the one thread
+    # with greqprof's hooks is watched, and in its hub.
     engine.Watchdog.instance = None   # (one an earlier test left)
     engine.Watchdog.replace()
     mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=HZ,
-                             watchdog=False)
+                             watchdog=watchdog)
     ports, stop = [], threading.Event()
     t = _serve_in_thread(mw, ports, stop)
     try:
@@ -637,6 +640,25 @@ def test_a_tick_while_every_thread_waits_takes_no_gil(fresh_sampler):
         assert ticks >= held * HZ * 0.3, (ticks, held, before, after)
         assert after["idle"] - before["idle"] >= ticks - 2
         assert after["samples"] == before["samples"]
+        assert (engine.Watchdog.instance is not None) == watchdog
+    finally:
+        stop.set()
+        t.join(10)
+
+
+def test_reset_zeroes_every_counter(fresh_sampler):
+    mw = ProfilingMiddleware(app, pct=0.0, report=False, stack_hz=HZ)
+    ports, stop = [], threading.Event()
+    t = _serve_in_thread(mw, ports, stop)
+    try:
+        wait_for(lambda: ports, 10, "the server")
+        load(ports, ["/cpu/%d"] * 2, clients=1)
+        wait_for(lambda: sampler.stats()["idle_unlocked"] > 5, 10,
+                 "idle ticks")
+        sampler.reset()
+        st = sampler.stats()
+        assert st["idle_unlocked"] <= st["idle"] <= 3, st
+        assert st["moved"] <= st["samples"] + st["idle"], st
     finally:
         stop.set()
         t.join(10)

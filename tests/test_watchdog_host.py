@@ -209,3 +209,39 @@ def test_a_thread_that_failed_to_start_is_started_later(serve, fresh_watchdog,
     assert s.get("/block").status == 200
     found, stacks = captured(s, "/block")
     assert found, stacks
+
+
+def test_a_thread_not_watched_is_checked_on_time(serve, fresh_watchdog):
+    # A watched thread waits in its hub; the main thread's engine is not
+    # watched (stack_hz=0): the check it needs keeps its period.
+    import threading
+    from greqprof import ProfilingMiddleware
+    from test_sampler import _serve_in_thread, get
+    s = serve(blocking_app, pct=1.0, blocking_ms=100, stack_hz=0)
+    assert s.get("/warm").status == 200
+    ports, stop = [], threading.Event()
+    t = _serve_in_thread(ProfilingMiddleware(blocking_app, pct=0,
+                                             stack_hz=100), ports, stop)
+    try:
+        wait_for(lambda: ports, 10, "the server")
+        get(ports[0], "/warm")   # (its first request starts the sampler)
+        wait_for(lambda: engine.Watchdog.instance.hosted, 5, "hosting")
+        times = []
+        real_check = engine.Watchdog.check
+
+        def check(self):
+            times.append(time.monotonic())
+            return real_check(self)
+        engine.Watchdog.check = check
+        try:
+            time.sleep(1.0)
+        finally:
+            engine.Watchdog.check = real_check
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        assert gaps and gaps[len(gaps) // 2] <= 0.045, gaps   # (33 ms)
+        assert s.get("/block").status == 200
+        found, stacks = captured(s, "/block")
+        assert found, stacks
+    finally:
+        stop.set()
+        t.join(10)

@@ -217,7 +217,7 @@ static gqp_py_thread *gqp_py_thread_start(gqp_tracer *t, int flags, int *err)
     }
     gqp__tls = st;
     st->installed = 1;
-    st->active = 1;
+    st_set_active(st, 1);
     st->ctx_ver = PyThreadState_Get()->context_ver;
     /* Start the current greenlet's span (and give it its names). */
     PyObject *gm = PyImport_ImportModule("greenlet");
@@ -265,7 +265,7 @@ static int gqp_py_thread_stop(gqp_py_thread *st)
         rc = GQP_ESTATE;
         goto out;
     }
-    st->active = 0;
+    st_set_active(st, 0);
     if (st->beacon) {
         atomic_store(&st->beacon->key, 0);
     }
@@ -360,8 +360,11 @@ static void gqp_py_thread_free(gqp_py_thread *st)
         /* Still in its thread's hooks (stopped from another thread): leave
          * it quiet, still chaining to the hooks it replaced; that thread
          * frees it when it next starts profiling. */
-        st->active = 0;
+        st_set_active(st, 0);
         st->tracer = NULL;
+        if (st->beacon) {
+            atomic_store(&st->beacon->key, 0);   /* (the sampler drops it) */
+        }
     } else {
         st_release(st);
     }

@@ -101,6 +101,7 @@ static void smp_drop(int i)
     atomic_store(&smp_beacons[i].key, atomic_load(&smp_beacons[smp_n].key));
     atomic_store(&smp_beacons[i].hub_key,
                  atomic_load(&smp_beacons[smp_n].hub_key));
+    smp_tick_key[i] = smp_tick_key[smp_n];
     gqp_py_thread *moved = i < smp_n
         ? ((gqp_hookref *)smp_watched[i].ref)->st : NULL;
     if (moved) {
@@ -441,6 +442,9 @@ static int smp_sample(int i)
         return 0;
     }
     if (ts->context_ver != st->ctx_ver) {
+        if (st->beacon) {
+            atomic_store(&st->beacon->key, 0);   /* (not known: see above) */
+        }
         /* A switch the hook did not see (taken out by another tool, or a
          * contextvars Context.run() under way): key may be stale. */
         smp_skipped++;
@@ -611,6 +615,7 @@ static PyObject *smp_setup_py(PyObject *self, PyObject *const *args,
     smp_max_frames = mf;
     smp_max_keys = mk;
     smp_ticks = smp_samples = smp_idle = smp_skipped = smp_truncated = 0;
+    smp_idle_nogil = smp_moved = 0;
     Py_RETURN_NONE;
 }
 
@@ -668,14 +673,12 @@ static PyObject *smp_run_py(PyObject *self, PyObject *const *args,
                                                       * period) */
             host_next = 0;
         }
-        /* The watchdog's check waits for a tick that takes the GIL anyway
-         * (a watched thread out of its hub: the one place a watched
-         * thread can block) up to a period late; then it takes it itself
-         * (other engines' threads, not watched here). */
+        /* The watchdog's check has nothing to find while every thread
+         * with hooks is watched here and in its hub (a hub is never
+         * blocking); threads not watched here need it on time. */
         int host_due = atomic_load(&smp_host_on) && now_ns >= host_next;
-        int gil = in_hub < n ||
-                  (host_due && (n == 0 || now_ns >= host_next +
-                                                   smp_host_period));
+        int all_watched = atomic_load(&gqp_active_threads) <= n;
+        int gil = in_hub < n || (host_due && !all_watched);
         if (!gil) {
             smp_idle += (unsigned long long)n;
             smp_idle_nogil += (unsigned long long)n;

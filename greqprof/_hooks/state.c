@@ -55,6 +55,19 @@ static PyObject *getter_call(const gqp_getter *g, PyObject *obj)
 
 /* ---- the state's lifetime -------------------------------------------- */
 
+/* Threads whose hooks are active: the stack sampler's loop compares it,
+ * without the GIL, with the threads it watches (when it watches them all,
+ * a tick with every one in its hub needs no watchdog check either). */
+static atomic_int gqp_active_threads;
+
+static void st_set_active(gqp_py_thread *st, int on)
+{
+    if (!st->active != !on) {
+        atomic_fetch_add(&gqp_active_threads, on ? 1 : -1);
+    }
+    st->active = on;
+}
+
 /* The hooks run Python (a greenlet's attributes, a garbage collection's
  * finalizers), which may stop the profiler and free the state they work
  * on: while a hook runs, the state is only marked (orphan) and the hook
@@ -63,13 +76,14 @@ static PyObject *getter_call(const gqp_getter *g, PyObject *obj)
 static void st_release(gqp_py_thread *st)
 {
     if (st->busy) {
-        st->active = 0;
+        st_set_active(st, 0);
         st->tracer = NULL;
         st->orphan = 1;
         return;
     }
     /* The hookref outlives st when another tool still calls our hooks:
      * they go on forwarding to what they had replaced. */
+    st_set_active(st, 0);
     gqp_hookref *ref = (gqp_hookref *)st->ref;
     ref->st = NULL;
     if (st->beacon) {
